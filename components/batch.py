@@ -1,0 +1,90 @@
+"""Token batches for the models: left-padded prompts followed by right-padded responses.
+
+Shapes: B sequences, P prompt tokens (longest prompt), T response tokens (longest response).
+Keeping the prompt/response boundary at one column P for the whole batch makes the response slice
+of every per-token tensor the same `[:, P:]` for every role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from storage import padded_tensor
+
+
+@dataclass
+class SequenceBatch:
+    input_ids: torch.Tensor  # [B, P+T]
+    attention_mask: torch.Tensor  # [B, P+T], 1 for real tokens
+    position_ids: torch.Tensor  # [B, P+T]
+    response_mask: torch.Tensor  # [B, T] float, 1 for real response tokens
+    prompt_length: int  # P
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_length(self) -> int:
+        return self.response_mask.shape[1]
+
+    @property
+    def response_ids(self) -> torch.Tensor:  # [B, T]
+        return self.input_ids[:, self.prompt_length :]
+
+    def select(self, indices: torch.Tensor | slice) -> "SequenceBatch":
+        return SequenceBatch(
+            input_ids=self.input_ids[indices],
+            attention_mask=self.attention_mask[indices],
+            position_ids=self.position_ids[indices],
+            response_mask=self.response_mask[indices],
+            prompt_length=self.prompt_length,
+        )
+
+    def to(self, device: torch.device | str) -> "SequenceBatch":
+        return SequenceBatch(
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            position_ids=self.position_ids.to(device),
+            response_mask=self.response_mask.to(device),
+            prompt_length=self.prompt_length,
+        )
+
+
+def build_sequence_batch(
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_token_id: int
+) -> SequenceBatch:
+    """Join prompts (left-padded to P) and responses (right-padded to T) into one batch."""
+    prompts, prompt_mask = padded_tensor(prompt_ids, pad_token_id, torch.long, side="left")
+    responses, response_mask = padded_tensor(response_ids, pad_token_id, torch.long, side="right")
+    if responses.shape[1] == 0:  # every response empty: keep one masked column so shapes stay valid
+        responses = torch.full((len(response_ids), 1), pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros(len(response_ids), 1)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return SequenceBatch(
+        input_ids=torch.cat([prompts, responses], dim=1),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        response_mask=response_mask.float(),
+        prompt_length=prompts.shape[1],
+    )
+
+
+def response_logits(model, batch: SequenceBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Logits that predict each response token: `[B, T, V]`, divided by the sampling temperature.
+
+    Position P-1+t predicts response token t, so only the last T+1 positions' logits are computed.
+    """
+    output = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        logits_to_keep=batch.response_length + 1,
+    )
+    logits = output.logits[:, :-1, :].float()
+    return logits / temperature if temperature != 1.0 else logits

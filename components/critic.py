@@ -1,0 +1,79 @@
+"""The critic: a value head on an HF backbone (`AutoModelForTokenClassification`, one label).
+
+Loading a causal-LM checkpoint this way keeps its backbone and adds a fresh value head, so the
+critic can start from the policy's weights, as in verl.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from components.algorithms import value_loss
+from components.batch import SequenceBatch
+from components.models import load_pretrained
+from components.training import make_optimizer, run_updates
+
+
+def response_values(model, batch: SequenceBatch) -> torch.Tensor:
+    """Values `[B, T]`: the value at position P-1+t estimates the state before response token t."""
+    output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   position_ids=batch.position_ids, use_cache=False)
+    values = output.logits[:, batch.prompt_length - 1 : -1, 0].float()
+    return values * batch.response_mask
+
+
+class Critic:
+    def __init__(self, model, config=None, *, seed: int = 0):
+        from flows.config import CriticConfig
+
+        self.model = model
+        self.config = config or CriticConfig()
+        self.seed = seed
+        self.updates = 0
+        self._optimizer = None
+        self._scheduler = None
+
+    @classmethod
+    def from_pretrained(cls, path: str, config=None, *, dtype="float32", device="auto",
+                        attn_implementation="auto", trust_remote_code=False, seed=0):
+        from transformers import AutoModelForTokenClassification
+
+        model = load_pretrained(AutoModelForTokenClassification, path, dtype=dtype, device=device,
+                                attn_implementation=attn_implementation,
+                                trust_remote_code=trust_remote_code, num_labels=1)
+        return cls(model, config, seed=seed)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def compute_values(self, batch: SequenceBatch) -> torch.Tensor:
+        self.model.eval()
+        parts = []
+        for start in range(0, batch.size, self.config.micro_batch_size):
+            micro = batch.select(slice(start, start + self.config.micro_batch_size)).to(self.device)
+            parts.append(response_values(self.model, micro).cpu())
+        return torch.cat(parts)
+
+    def update(self, batch: SequenceBatch, *, old_values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
+        """Clipped value regression on the returns (inputs `[B, T]`); returns `critic/*` metrics."""
+        config = self.config
+        if self._optimizer is None:
+            self._optimizer, self._scheduler = make_optimizer(self.model, config.optim)
+        device = self.device
+
+        def micro_loss(indices: torch.Tensor):
+            micro = batch.select(indices).to(device)
+            return value_loss(values=response_values(self.model, micro), old_values=old_values[indices].to(device),
+                              returns=returns[indices].to(device), response_mask=micro.response_mask,
+                              cliprange_value=config.cliprange_value, loss_agg_mode=config.loss_agg_mode)
+
+        metrics = run_updates(
+            model=self.model, optimizer=self._optimizer, scheduler=self._scheduler, batch_size=batch.size,
+            mini_batch_size=config.ppo_mini_batch_size, micro_batch_size=config.micro_batch_size,
+            epochs=config.ppo_epochs, grad_clip=config.optim.grad_clip, seed=self.seed + self.updates,
+            micro_loss=micro_loss, prefix="critic",
+        )
+        self.updates += 1
+        return metrics

@@ -1,0 +1,253 @@
+"""Prompt loading from verl-format Parquet files, and a resumable, deterministic prompt order.
+
+A verl row has `prompt` (a list of {role, content} chat messages, or here also a plain string),
+`reward_model.ground_truth` and optionally `data_source`. Prompts are rendered with the tokenizer's
+chat template, tokenized once, and checked against `data.max_prompt_length`: an overlong prompt is
+filtered or rejected, never truncated (a truncated question has a different answer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+DEFAULT_DATA_SOURCE = "unknown"
+OVERLONG_POLICIES = ("filter", "error")
+# Columns of the normalized table returned by `read_prompt_table`.
+NORMALIZED_COLUMNS = ("messages", "raw_prompt", "ground_truth", "data_source", "source_file", "source_row")
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One tokenized prompt. `index` is its position in the list `load_prompts` returns."""
+
+    index: int
+    prompt_ids: list[int]
+    prompt_text: str
+    ground_truth: str
+    data_source: str
+    # What supervised warm-start trains towards; the ground truth until tasks provide worked answers.
+    target_text: str | None
+
+
+def _open_parquet(path: str, field: str) -> pa.Table:
+    """Read one Parquet file from a local path or any fsspec URI."""
+    import fsspec
+
+    filesystem, path_in_filesystem = fsspec.core.url_to_fs(path)
+    if not filesystem.exists(path_in_filesystem):
+        raise ValueError(
+            f"{field}: file {path!r} does not exist; give existing Parquet files (paths or fsspec URIs)"
+        )
+    try:
+        return pq.read_table(path_in_filesystem, filesystem=filesystem)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise ValueError(f"{field}: file {path!r} is not a readable Parquet file ({error})") from error
+
+
+def _is_message_list(data_type: pa.DataType) -> bool:
+    if not (pa.types.is_list(data_type) or pa.types.is_large_list(data_type)):
+        return False
+    value_type = data_type.value_type
+    if not pa.types.is_struct(value_type):
+        return False
+    names = {value_type.field(i).name for i in range(value_type.num_fields)}
+    return {"role", "content"} <= names
+
+
+def _normalize_table(table: pa.Table, path: str, field: str) -> pa.Table:
+    """Map one file's verl columns onto NORMALIZED_COLUMNS, validating types on the way."""
+    columns = set(table.column_names)
+    for required in ("prompt", "reward_model"):
+        if required not in columns:
+            raise ValueError(
+                f"{field}: file {path!r} has no {required!r} column (has {sorted(columns)}); "
+                "verl rows need prompt and reward_model"
+            )
+    prompt_type = table.schema.field("prompt").type
+    plain_string = pa.types.is_string(prompt_type) or pa.types.is_large_string(prompt_type)
+    if not plain_string and not _is_message_list(prompt_type):
+        raise ValueError(
+            f"{field}: file {path!r} column 'prompt' has type {prompt_type}; "
+            "expected a string or a list of {role, content} structs"
+        )
+    reward_type = table.schema.field("reward_model").type
+    if not pa.types.is_struct(reward_type) or reward_type.get_field_index("ground_truth") < 0:
+        raise ValueError(
+            f"{field}: file {path!r} column 'reward_model' has type {reward_type}; "
+            "expected a struct with a 'ground_truth' field"
+        )
+    ground_truth = pc.struct_field(table.column("reward_model"), "ground_truth")
+    try:
+        ground_truth = pc.cast(ground_truth, pa.string())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+        raise ValueError(
+            f"{field}: file {path!r} reward_model.ground_truth has type {ground_truth.type}; "
+            "expected text or a number"
+        ) from error
+    if "data_source" in columns:
+        data_source = pc.fill_null(pc.cast(table.column("data_source"), pa.string()), DEFAULT_DATA_SOURCE)
+    else:
+        data_source = pa.array([DEFAULT_DATA_SOURCE] * table.num_rows, pa.string())
+    messages_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    prompt = table.column("prompt")
+    return pa.table({
+        "messages": pa.nulls(table.num_rows, messages_type) if plain_string
+        else pc.cast(prompt, messages_type),
+        "raw_prompt": pc.cast(prompt, pa.string()) if plain_string else pa.nulls(table.num_rows, pa.string()),
+        "ground_truth": ground_truth,
+        "data_source": data_source,
+        "source_file": pa.array([path] * table.num_rows, pa.string()),
+        "source_row": pa.array(range(table.num_rows), pa.int64()),
+    })
+
+
+def read_prompt_table(paths: Sequence[str] | str, field: str = "data.train_files") -> pa.Table:
+    """Read and concatenate verl-format Parquet files into one table of NORMALIZED_COLUMNS.
+
+    `messages` holds chat prompts and `raw_prompt` plain-string prompts (the other is null);
+    `source_file`/`source_row` locate each row for error messages.
+    """
+    if isinstance(paths, str):
+        paths = [paths]
+    if not paths:
+        raise ValueError(f"{field}: no files given; list one or more Parquet files")
+    tables = [_normalize_table(_open_parquet(str(path), field), str(path), field) for path in paths]
+    return pa.concat_tables(tables)
+
+
+def render_prompt(tokenizer, messages: list[dict] | str) -> str:
+    """Chat messages -> prompt text via the chat template (or newline-joined contents without one).
+
+    A plain string is a pre-rendered prompt and is returned unchanged.
+    """
+    if isinstance(messages, str):
+        return messages
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n".join(message.get("content") or "" for message in messages)
+
+
+def _overlong_message(field: str, row: dict, length: int, max_prompt_length: int) -> str:
+    return (
+        f"{field}: prompt at row {row['source_row']} of {row['source_file']!r} is {length} tokens, "
+        f"over data.max_prompt_length={max_prompt_length}; "
+        "raise data.max_prompt_length or set data.overlong_prompts=filter"
+    )
+
+
+def load_prompts(
+    paths: Sequence[str] | str,
+    tokenizer,
+    *,
+    max_prompt_length: int,
+    overlong: Literal["filter", "error"] = "filter",
+    field: str = "data.train_files",
+) -> tuple[list[PromptRecord], int]:
+    """Render, tokenize and length-check every prompt; return (records, number filtered as overlong)."""
+    if overlong not in OVERLONG_POLICIES:
+        raise ValueError(
+            f"data.overlong_prompts={overlong!r} is not valid; use one of {list(OVERLONG_POLICIES)}"
+        )
+    if max_prompt_length < 1:
+        raise ValueError(f"data.max_prompt_length={max_prompt_length} must be >= 1")
+    rows = read_prompt_table(paths, field).to_pylist()
+    texts = [
+        render_prompt(tokenizer, row["raw_prompt"] if row["messages"] is None else row["messages"])
+        for row in rows
+    ]
+    # One batched call: fast tokenizers parallelize it, and it is the only tokenization of the prompts.
+    all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    records: list[PromptRecord] = []
+    filtered = 0
+    for row, text, prompt_ids in zip(rows, texts, all_ids):
+        if not prompt_ids:
+            raise ValueError(
+                f"{field}: prompt at row {row['source_row']} of {row['source_file']!r} is empty "
+                "(0 tokens); remove it from the data"
+            )
+        if len(prompt_ids) > max_prompt_length:
+            if overlong == "error":
+                raise ValueError(_overlong_message(field, row, len(prompt_ids), max_prompt_length))
+            filtered += 1
+            continue
+        records.append(PromptRecord(
+            index=len(records),
+            prompt_ids=list(prompt_ids),
+            prompt_text=text,
+            ground_truth=row["ground_truth"] or "",
+            data_source=row["data_source"],
+            target_text=row["ground_truth"],
+        ))
+    if not records:
+        raise ValueError(
+            f"{field}: all {len(rows)} prompts are longer than data.max_prompt_length={max_prompt_length} "
+            "tokens (or the files are empty); raise data.max_prompt_length"
+        )
+    return records, filtered
+
+
+class PromptSampler:
+    """Which prompts each training step uses, as a pure function of the step number.
+
+    Epoch `e` is a permutation of range(num_prompts) seeded with `seed + e`; the epochs are laid end
+    to end and step `k` takes positions [k*batch_size, (k+1)*batch_size), so a batch may straddle two
+    epochs. With no mutable cursor, a run resumed at step k sees exactly the batches it would have.
+    """
+
+    def __init__(self, num_prompts: int, batch_size: int, seed: int, shuffle: bool = True) -> None:
+        if num_prompts < 1:
+            raise ValueError(
+                f"data: num_prompts={num_prompts} must be >= 1 (the prompt files hold no usable rows)"
+            )
+        if batch_size < 1 or batch_size > num_prompts:
+            raise ValueError(
+                f"data.prompts_per_step={batch_size} must be between 1 and the number of prompts "
+                f"({num_prompts})"
+            )
+        self.num_prompts = num_prompts
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self._permutations: dict[int, list[int]] = {}  # a cache only: values depend on epoch alone
+
+    def epoch_permutation(self, epoch: int) -> list[int]:
+        """The prompt order of one epoch."""
+        if epoch not in self._permutations:
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + epoch)
+                order = torch.randperm(self.num_prompts, generator=generator).tolist()
+            else:
+                order = list(range(self.num_prompts))
+            self._permutations = {epoch: order}  # only the current epoch is needed going forward
+            return order
+        return self._permutations[epoch]
+
+    def batch_indices(self, step: int) -> list[int]:
+        """Prompt indices for training step `step` (0-based)."""
+        if step < 0:
+            raise ValueError(f"step={step} must be >= 0")
+        start = step * self.batch_size
+        indices = []
+        for position in range(start, start + self.batch_size):
+            epoch, offset = divmod(position, self.num_prompts)
+            indices.append(self.epoch_permutation(epoch)[offset])
+        return indices
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch that the first prompt of step `step` belongs to."""
+        return (step * self.batch_size) // self.num_prompts
+
+    def state_dict(self) -> dict:
+        """Everything that determines the order (the step number itself lives in the checkpoint)."""
+        return {
+            "num_prompts": self.num_prompts,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }

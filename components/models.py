@@ -1,0 +1,101 @@
+"""Loading models and tokenizers: hub names and local folders go through the same code.
+
+Attention: flash-attn when it is installed and the model runs on a GPU in half precision, else
+PyTorch SDPA (flash-attn is optional; it has no wheels on the index used here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """`auto` -> the first visible CUDA device when there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"trainer.device={device!r}: no CUDA device is visible; use cpu or auto")
+    return torch.device(device)
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype={name!r} is not one of: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_attn_implementation(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Pick the attention kernel; `auto` never fails, an explicit flash_attention_2 must be possible."""
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    half = dtype in (torch.bfloat16, torch.float16)
+    if requested == "auto":
+        return "flash_attention_2" if has_flash and device.type == "cuda" and half else "sdpa"
+    if requested == "flash_attention_2" and not (has_flash and device.type == "cuda" and half):
+        raise ValueError(
+            "model.attn_implementation='flash_attention_2' needs the flash-attn package, a CUDA device "
+            "and bfloat16/float16; use auto or sdpa"
+        )
+    return requested
+
+
+def check_model_source(path: str, field: str = "model.path") -> None:
+    """A value that looks like a local path must exist; hub names are left to from_pretrained."""
+    looks_local = path.startswith((".", "/", "~")) or Path(path).exists()
+    if looks_local and not Path(path).expanduser().exists():
+        raise ValueError(
+            f"{field}={path!r} does not exist; give a local model folder or a Hugging Face hub name "
+            "(`rlhf make-tiny-model DIR` writes a tiny one)"
+        )
+
+
+def _source(path: str) -> str:
+    local = Path(path).expanduser()
+    return str(local) if local.exists() else path
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The model's tokenizer, with a pad token (the EOS token when the model defines none)."""
+    from transformers import AutoTokenizer
+
+    check_model_source(path)
+    tokenizer = AutoTokenizer.from_pretrained(_source(path), trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_pretrained(
+    auto_class,
+    path: str,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "auto",
+    attn_implementation: str = "auto",
+    trust_remote_code: bool = False,
+    **kwargs,
+):
+    """`auto_class.from_pretrained` on the chosen device, dtype and attention kernel."""
+    check_model_source(path)
+    device = resolve_device(device) if isinstance(device, str) else device
+    torch_dtype = resolve_dtype(dtype)
+    model = auto_class.from_pretrained(
+        _source(path),
+        dtype=torch_dtype,
+        attn_implementation=resolve_attn_implementation(attn_implementation, device, torch_dtype),
+        trust_remote_code=trust_remote_code,
+        **kwargs,
+    )
+    return model.to(device)
+
+
+def load_causal_lm(path: str, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return load_pretrained(AutoModelForCausalLM, path, **kwargs)

@@ -1,0 +1,177 @@
+"""Sequence-level rewards: rule functions (by name), user functions (`module:function`), a reward model.
+
+Every reward function has one signature so the scoring stage can call any of them:
+``fn(response_text, ground_truth, data_source="", extra_info=None) -> float``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from typing import Callable, Sequence
+
+import torch
+
+RewardFunction = Callable[..., float]
+REWARD_FUNCTIONS: dict[str, RewardFunction] = {}
+# Responses are decoded with skip_special_tokens=True, but a custom decode path may leave these in.
+END_OF_TEXT_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "</s>")
+# verl's GSM8K extraction ("strict" mode): the number after "#### ".
+GSM8K_ANSWER_PATTERN = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+
+def register_reward_function(name: str) -> Callable[[RewardFunction], RewardFunction]:
+    """Decorator adding a function to REWARD_FUNCTIONS under `name`."""
+
+    def decorator(function: RewardFunction) -> RewardFunction:
+        REWARD_FUNCTIONS[name] = function
+        return function
+
+    return decorator
+
+
+def strip_end_of_text(text: str) -> str:
+    """Cut the text at the first end-of-text marker (anything after it is not the answer) and strip."""
+    for marker in END_OF_TEXT_MARKERS:
+        text = text.split(marker, 1)[0]
+    return text.strip()
+
+
+@register_reward_function("exact_match")
+def exact_match(
+    response_text: str, ground_truth: str, data_source: str = "", extra_info: dict | None = None
+) -> float:
+    """1.0 if the response (whitespace and end marker stripped) equals the stripped ground truth."""
+    return 1.0 if strip_end_of_text(response_text) == str(ground_truth).strip() else 0.0
+
+
+@register_reward_function("gsm8k")
+def gsm8k(
+    response_text: str, ground_truth: str, data_source: str = "", extra_info: dict | None = None
+) -> float:
+    """1.0 if the number after the last "#### " equals the ground truth (commas ignored), else 0.0."""
+    answers = GSM8K_ANSWER_PATTERN.findall(response_text)
+    if not answers:
+        return 0.0  # verl's default format_score is 0
+    answer = answers[-1].replace(",", "")
+    return 1.0 if answer == str(ground_truth).strip().replace(",", "") else 0.0
+
+
+def _registered_names() -> str:
+    return ", ".join(sorted(REWARD_FUNCTIONS))
+
+
+def load_reward_function(spec: str, field: str = "reward.function") -> RewardFunction:
+    """A registered name (e.g. "exact_match") or a user function given as "package.module:function"."""
+    if spec in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[spec]
+    valid = f"use a registered name ({_registered_names()}) or 'module:function'"
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise ValueError(f"{field}={spec!r} is not a registered reward function; {valid}")
+    module_name, attribute = spec.split(":")
+    if not module_name or not attribute:
+        raise ValueError(f"{field}={spec!r} has an empty module or function name; {valid}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # a user module may fail with anything at import time
+        raise ValueError(
+            f"{field}={spec!r}: cannot import module {module_name!r} "
+            f"({type(error).__name__}: {error}); {valid}"
+        ) from error
+    function = getattr(module, attribute, None)
+    if function is None:
+        raise ValueError(
+            f"{field}={spec!r}: module {module_name!r} has no attribute {attribute!r}; {valid}"
+        )
+    if not callable(function):
+        raise ValueError(
+            f"{field}={spec!r}: {attribute!r} is a {type(function).__name__}, not callable; {valid}"
+        )
+    return function
+
+
+def _as_finite_float(value, index: int, function: RewardFunction) -> float:
+    """Coerce one reward to float, rejecting text, NaN and infinities with a pointed message."""
+    name = f"{getattr(function, '__module__', '?')}:{getattr(function, '__qualname__', repr(function))}"
+    # verl lets a reward function return {"score": ..., <extra metrics>}; only the score matters here.
+    if isinstance(value, dict) and "score" in value:
+        value = value["score"]
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise ValueError(
+            f"reward function {name} returned {value!r} for sample {index}; it must return a number"
+        )
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(
+            f"reward function {name} returned {number} for sample {index}; rewards must be finite"
+        )
+    return number
+
+
+def score_responses(
+    function: RewardFunction,
+    response_texts: Sequence[str],
+    ground_truths: Sequence[str],
+    data_sources: Sequence[str],
+    extra_infos: Sequence[dict | None] | None = None,
+) -> list[float]:
+    """Apply a reward function to every sample; each result must be a finite number."""
+    extra_infos = list(extra_infos) if extra_infos is not None else [None] * len(response_texts)
+    lengths = {len(response_texts), len(ground_truths), len(data_sources), len(extra_infos)}
+    assert len(lengths) == 1, f"score_responses got mismatched lengths {lengths}"
+    return [
+        _as_finite_float(function(response, truth, data_source=source, extra_info=info), index, function)
+        for index, (response, truth, source, info) in enumerate(
+            zip(response_texts, ground_truths, data_sources, extra_infos)
+        )
+    ]
+
+
+class RewardModel:
+    """A sequence classifier (one logit) scoring prompt + response text, as in RLHF reward modelling."""
+
+    def __init__(self, model, tokenizer, device: str | torch.device = "cpu") -> None:
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        # Right padding: HF's classifier pools the last non-pad token, which this keeps at the text's end.
+        self.tokenizer.padding_side = "right"
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> "RewardModel":
+        """Load a classifier with num_labels=1 and its tokenizer from a local folder or hub id."""
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+        # Without pad_token_id the classifier cannot find each row's last real token in a padded batch.
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+        return cls(model, tokenizer, device)
+
+    def score(
+        self, prompt_texts: list[str], response_texts: list[str], micro_batch_size: int = 32
+    ) -> list[float]:
+        """One scalar per (prompt, response) pair, computed in micro-batches without gradients."""
+        if len(prompt_texts) != len(response_texts):
+            raise ValueError(
+                f"RewardModel.score: {len(prompt_texts)} prompts but {len(response_texts)} responses; "
+                "pass one response per prompt"
+            )
+        if micro_batch_size < 1:
+            raise ValueError(f"reward_model.micro_batch_size={micro_batch_size} must be >= 1")
+        texts = [prompt + response for prompt, response in zip(prompt_texts, response_texts)]
+        scores: list[float] = []
+        for start in range(0, len(texts), micro_batch_size):
+            chunk = texts[start : start + micro_batch_size]
+            encoded = self.tokenizer(chunk, padding=True, return_tensors="pt")
+            encoded = {name: tensor.to(self.device) for name, tensor in encoded.items()}
+            with torch.no_grad():
+                logits = self.model(**encoded).logits
+            scores.extend(logits[:, 0].float().cpu().tolist())
+        return scores

@@ -1,0 +1,126 @@
+"""Rollout engines: sample responses and the log-probs of the sampled tokens.
+
+The log-probs are those of the distribution actually sampled from (after temperature, top-k and
+top-p), so they can be compared with the actor's recomputation at the same temperature.
+The transformers engine is here; the vLLM engine implements the same `RolloutEngine` protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import torch
+
+from components.models import load_causal_lm, load_tokenizer
+from storage import padded_tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    seed: int | None = None
+
+
+@dataclass
+class Generation:
+    prompt_index: int
+    sample_index: int
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (end-of-sequence emitted) or "length"
+    text: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]: ...
+
+    def load_weights(self, path: str) -> None: ...
+
+
+class HFRolloutEngine:
+    """Generation with transformers `generate` (the CPU default and the fallback everywhere)."""
+
+    def __init__(self, model, tokenizer, *, micro_batch_size: int = 256):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.micro_batch_size = micro_batch_size
+        self.weights_version: int | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype="float32", device="auto", attn_implementation="auto",
+                        trust_remote_code=False, micro_batch_size=256):
+        model = load_causal_lm(path, dtype=dtype, device=device, attn_implementation=attn_implementation,
+                               trust_remote_code=trust_remote_code)
+        return cls(model, load_tokenizer(path, trust_remote_code), micro_batch_size=micro_batch_size)
+
+    def load_weights(self, path: str) -> None:
+        """Replace the weights in place from a safetensors folder (the actor's published copy)."""
+        from safetensors.torch import load_file
+
+        state = {}
+        for shard in sorted(Path(path).glob("*.safetensors")):
+            state.update(load_file(shard, device=str(next(self.model.parameters()).device)))
+        if not state:
+            raise ValueError(f"no *.safetensors weights in {path}")
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        # Tied embeddings are saved once; anything else missing means a different architecture.
+        missing = [name for name in missing if name != "lm_head.weight"]
+        if missing or unexpected:
+            raise ValueError(f"weights in {path} do not match the rollout model: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """n samples for every prompt, ordered prompt-major: (p0,s0), (p0,s1), ..., (p1,s0), ..."""
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        repeated = [(index, sample) for index in range(len(prompt_ids)) for sample in range(params.n)]
+        generations: list[Generation] = []
+        for start in range(0, len(repeated), self.micro_batch_size):
+            chunk = repeated[start : start + self.micro_batch_size]
+            generations.extend(self._generate_chunk([prompt_ids[i] for i, _ in chunk], chunk, params))
+        return generations
+
+    def _generate_chunk(self, prompts, chunk, params: SamplingParams) -> list[Generation]:
+        device = next(self.model.parameters()).device
+        input_ids, attention_mask = padded_tensor(prompts, self.tokenizer.pad_token_id, torch.long, side="left")
+        greedy = params.temperature == 0
+        output = self.model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.long().to(device),
+            do_sample=not greedy, temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p, top_k=None if greedy else params.top_k,
+            max_new_tokens=params.max_new_tokens, min_new_tokens=0,
+            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+            output_scores=True, return_dict_in_generate=True,
+        )
+        new_tokens = output.sequences[:, input_ids.shape[1] :].cpu()  # [b, T']
+        # scores are the processed logits the sampler drew from (temperature, top-k/p applied).
+        scores = torch.stack(output.scores, dim=1).float().log_softmax(-1).cpu()  # [b, T', V]
+        token_logprobs = scores.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        results = []
+        for row, (prompt_index, sample_index) in enumerate(chunk):
+            tokens = new_tokens[row].tolist()
+            finish = "length"
+            if self.tokenizer.eos_token_id in tokens:
+                tokens = tokens[: tokens.index(self.tokenizer.eos_token_id) + 1]
+                finish = "stop"
+            results.append(Generation(
+                prompt_index=prompt_index, sample_index=sample_index, response_ids=tokens,
+                logprobs=token_logprobs[row, : len(tokens)].tolist(), finish_reason=finish,
+                text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            ))
+        return results
+
+    def generate_text(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
+        """Convenience for plain-text prompts (no chat template applied)."""
+        ids = [self.tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
+        return self.generate(ids, params)

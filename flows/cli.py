@@ -1,0 +1,169 @@
+"""`rlhf`: the command line.
+
+    rlhf quickstart                      # tiny model + arithmetic task + GRPO on this machine
+    rlhf train configs/quickstart.yaml trainer.total_steps=5
+    rlhf config show configs/grpo.yaml actor.optim.lr=1e-5
+    rlhf make-tiny-model .rlhf/models/tiny-qwen2
+    rlhf make-data arithmetic .rlhf/data/arithmetic
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _quickstart_config(overrides: list[str]):
+    from flows.config import load_config
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return load_config(REPO_CONFIGS / "quickstart.yaml", [f"run.name=quickstart-{stamp}", *overrides])
+
+
+def _ensure_quickstart_inputs(config) -> None:
+    """The quickstart makes its own model and data (nothing can be downloaded)."""
+    from components.tasks.arithmetic import ensure_arithmetic_dataset
+    from components.tiny import build_tiny_model
+
+    if not Path(config.model.path, "config.json").exists():
+        print(f"building the tiny model at {config.model.path}")
+        build_tiny_model(config.model.path)
+    data_dir = Path(config.data.train_files[0]).parent
+    ensure_arithmetic_dataset(data_dir)
+
+
+def run_training(config) -> dict:
+    """Run the training flow against PREFECT_API_URL, or a local Prefect server started for it."""
+    from flows.launcher import prefect_server, using_prefect_api
+    from flows.tracking import mlflow_ui_command
+
+    with prefect_server() as api_url, using_prefect_api(api_url):
+        from prefect import get_client  # noqa: F401  (imported after the API URL is set)
+        from flows.train import train
+
+        state = train(config, return_state=True)
+        flow_run_id = state.state_details.flow_run_id
+        _flush_prefect_logs()
+        summary = state.result(raise_on_failure=True)
+    print("\nfinished. Where to look:")
+    print(f"  run folder      {summary['run_dir']}")
+    print(f"  MLflow run      {summary['mlflow_run_id']}  ({mlflow_ui_command(config)})")
+    print(f"  Prefect run     {flow_run_id}  (PREFECT_HOME={os.environ.get('PREFECT_HOME', '.rlhf/prefect')} prefect server start)")
+    for key in ("val_reward_before_warm_start", "val_reward_start", "val_reward_end"):
+        if key in summary:
+            print(f"  {key:<29} {summary[key]:.3f}")
+    return summary
+
+
+def _flush_prefect_logs() -> None:
+    """Send buffered flow logs to the server before the embedded server stops."""
+    from prefect.logging.handlers import APILogWorker
+
+    try:
+        APILogWorker.drain_all(timeout=10)
+    except Exception:  # logs are best effort; the run's outcome is decided elsewhere
+        pass
+
+
+def cmd_quickstart(args) -> int:
+    config = _quickstart_config(args.overrides)
+    _ensure_quickstart_inputs(config)
+    run_training(config)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from flows.config import load_config
+
+    run_training(load_config(args.config, args.overrides))
+    return 0
+
+
+def cmd_config_show(args) -> int:
+    from flows.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def cmd_make_tiny_model(args) -> int:
+    from components.tiny import build_tiny_model
+
+    print(build_tiny_model(args.output_dir))
+    return 0
+
+
+def cmd_make_data(args) -> int:
+    from components.tasks.arithmetic import write_arithmetic_dataset
+
+    for split, path in write_arithmetic_dataset(args.output_dir, train_size=args.train_size,
+                                                validation_size=args.validation_size, seed=args.seed).items():
+        print(f"{split}: {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    overrides_help = "key.path=value overrides, e.g. trainer.total_steps=10 actor.optim.lr=1e-5"
+
+    quick = commands.add_parser("quickstart", help="train the tiny model on arithmetic (CPU is fine)",
+                                description="Make a tiny model and an arithmetic task, then run GRPO with a local "
+                                            "Prefect server and MLflow on SQLite.\n\nexample: rlhf quickstart trainer.total_steps=10",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    quick.add_argument("overrides", nargs="*", help=overrides_help)
+    quick.set_defaults(handler=cmd_quickstart)
+
+    train = commands.add_parser("train", help="run the training flow from a config file",
+                                description="example: rlhf train configs/quickstart.yaml run.name=exp1 trainer.total_steps=20",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("config", help="YAML config file (sections as in `rlhf config show`)")
+    train.add_argument("overrides", nargs="*", help=overrides_help)
+    train.set_defaults(handler=cmd_train)
+
+    config = commands.add_parser("config", help="inspect configurations")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    show = config_commands.add_parser("show", help="print the fully resolved config with defaults",
+                                      description="example: rlhf config show configs/quickstart.yaml actor.optim.lr=1e-5")
+    show.add_argument("config", nargs="?", help="YAML config file (defaults only when omitted)")
+    show.add_argument("overrides", nargs="*", help=overrides_help)
+    show.set_defaults(handler=cmd_config_show)
+
+    tiny = commands.add_parser("make-tiny-model", help="write a random tiny Qwen2 model and tokenizer",
+                               description="example: rlhf make-tiny-model .rlhf/models/tiny-qwen2")
+    tiny.add_argument("output_dir")
+    tiny.set_defaults(handler=cmd_make_tiny_model)
+
+    data = commands.add_parser("make-data", help="write a synthetic task in verl's Parquet format",
+                               description="example: rlhf make-data arithmetic .rlhf/data/arithmetic")
+    data.add_argument("task", choices=["arithmetic"])
+    data.add_argument("output_dir")
+    data.add_argument("--train-size", type=int, default=2000)
+    data.add_argument("--validation-size", type=int, default=200)
+    data.add_argument("--seed", type=int, default=0)
+    data.set_defaults(handler=cmd_make_data)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ValueError as error:  # user errors (ConfigError, storage and data errors): one line
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

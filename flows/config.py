@@ -1,0 +1,333 @@
+"""The training configuration: one typed pydantic tree, the flow's parameter.
+
+YAML files and `key.sub=value` overrides map onto the same model. A user error surfaces as one
+`ConfigError` line naming the field, the value and what would be valid, before any model loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix; the message is one actionable line per problem."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = Field("quickstart", pattern=r"^[A-Za-z0-9._-]+$")
+    """Run name: the folder under storage_root and the MLflow run name."""
+    storage_root: str = ".rlhf/runs"
+    """Where stage outputs, weights and checkpoints go: a local path or any fsspec URI."""
+    overwrite: bool = False
+    """Start over when a run folder of that name already exists (otherwise refuse)."""
+
+
+class ModelConfig(Section):
+    path: str = ".rlhf/models/tiny-qwen2"
+    """Hugging Face hub name or local folder of the policy to train."""
+    dtype: Dtype = "float32"
+    """Parameter dtype for every role's model."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """auto: flash-attn when installed and on a GPU, else PyTorch SDPA."""
+    trust_remote_code: bool = False
+    """Passed to from_pretrained (only for hub models you trust)."""
+
+
+class DataConfig(Section):
+    train_files: list[str] = [".rlhf/data/arithmetic/train.parquet"]
+    """verl-format Parquet prompt files for training."""
+    val_files: list[str] = [".rlhf/data/arithmetic/validation.parquet"]
+    """verl-format Parquet prompt files for validation."""
+    max_prompt_length: int = Field(64, gt=0)
+    """Longest prompt in tokens, after the chat template."""
+    overlong_prompts: Literal["filter", "error"] = "filter"
+    """What to do with a longer prompt: drop it (counted in the log) or stop with an error."""
+    prompts_per_step: int = Field(32, gt=0)
+    """Prompts drawn per training step (each sampled rollout.n times)."""
+    max_val_prompts: int | None = Field(None, gt=0)
+    """Validate on at most this many prompts (None: all)."""
+    shuffle: bool = True
+    """Reshuffle the training prompts each epoch (seeded by trainer.seed)."""
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf"] = "hf"
+    """Generation engine: hf (transformers generate)."""
+    n: int = Field(8, gt=0)
+    """Samples per prompt (a GRPO group)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the actor's log-probs use the same temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0: off)."""
+    max_new_tokens: int = Field(16, gt=0)
+    """Longest response in tokens."""
+    val_temperature: float = Field(0.0, ge=0)
+    """Validation temperature (0: greedy)."""
+    micro_batch_size: int = Field(256, gt=0)
+    """Sequences per generate call."""
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up, in optimizer steps."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this."""
+
+
+class ActorConfig(Section):
+    optim: OptimConfig = OptimConfig()
+    """Optimizer of the policy."""
+    ppo_epochs: int = Field(1, gt=0)
+    """Passes over each step's batch."""
+    ppo_mini_batch_size: int = Field(256, gt=0)
+    """Samples per optimizer step."""
+    micro_batch_size: int = Field(64, gt=0)
+    """Samples per forward/backward (gradient accumulation over a mini-batch)."""
+    policy_loss: str = "ppo"
+    """Registered policy loss (components.algorithms.losses)."""
+    clip_ratio_low: float = Field(0.2, ge=0)
+    """PPO ratio clip below 1."""
+    clip_ratio_high: float = Field(0.2, ge=0)
+    """PPO ratio clip above 1."""
+    clip_ratio_c: float = Field(3.0, gt=1)
+    """Dual-clip bound for negative advantages (Ye et al. 2020)."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight (subtracted from the loss)."""
+    use_kl_loss: bool = False
+    """Add KL to the reference as a loss term (GRPO style) instead of a reward penalty."""
+    kl_loss_coef: float = Field(0.001, ge=0)
+    """Weight of the KL loss term."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator for the loss term: k1, abs, k2/mse, k3/low_var_kl."""
+
+
+class CriticConfig(Section):
+    model_path: str | None = None
+    """Backbone of the value model (None: the initial policy)."""
+    optim: OptimConfig = OptimConfig(lr=1e-5)
+    """Optimizer of the critic."""
+    ppo_epochs: int = Field(1, gt=0)
+    """Passes over each step's batch."""
+    ppo_mini_batch_size: int = Field(256, gt=0)
+    """Samples per optimizer step."""
+    micro_batch_size: int = Field(64, gt=0)
+    """Samples per forward/backward."""
+    cliprange_value: float = Field(0.5, gt=0)
+    """Value clipping range."""
+    loss_agg_mode: str = "token-mean"
+    """Loss aggregation of the value loss."""
+
+
+class RewardConfig(Section):
+    kind: Literal["rule", "model"] = "rule"
+    """rule: a scoring function; model: an HF sequence classifier."""
+    function: str = "exact_match"
+    """Rule name (exact_match, gsm8k) or a user's `module:function`."""
+    model_path: str | None = None
+    """Reward model folder or hub name when kind is model."""
+
+
+class KLControlConfig(Section):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """fixed coefficient, or adaptive towards target_kl (Ziegler et al. 2019)."""
+    kl_coef: float = Field(0.001, ge=0)
+    """(Initial) KL penalty coefficient."""
+    target_kl: float | None = Field(None, gt=0)
+    """Adaptive controller target."""
+    horizon: int | None = Field(None, gt=0)
+    """Adaptive controller horizon in samples."""
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: str = "grpo"
+    """gae (PPO with critic), grpo, grpo_no_std, rloo, reinforce_plus_plus."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount."""
+    lam: float = Field(1.0, ge=0, le=1)
+    """GAE lambda."""
+    use_kl_in_reward: bool = False
+    """Subtract a KL penalty to the reference from the token rewards."""
+    kl_penalty: str = "k1"
+    """KL estimator for the reward penalty."""
+    kl_ctrl: KLControlConfig = KLControlConfig()
+    """KL penalty controller."""
+
+
+class WarmStartConfig(Section):
+    steps: int = Field(0, ge=0)
+    """Supervised fine-tuning steps on training prompts + ground truth before RL (0: none)."""
+    batch_size: int = Field(32, gt=0)
+    """Examples per warm-start step."""
+    lr: float = Field(1e-3, gt=0)
+    """Warm-start learning rate."""
+
+
+class TrainerConfig(Section):
+    total_steps: int = Field(2, gt=0)
+    """RL steps to run."""
+    val_every: int = Field(0, ge=0)
+    """Validate every N steps (0: only before and after training)."""
+    samples_every: int = Field(5, gt=0)
+    """Log a table of sample generations every N steps."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where models run in this process: auto picks cuda when available."""
+    stage_timeout_s: float = Field(3600, gt=0)
+    """Seconds a stage may run before the flow fails it."""
+    stage_retries: int = Field(0, ge=0)
+    """Times a failed stage is retried."""
+
+
+class TrackingConfig(Section):
+    tracking_uri: str = "sqlite:///.rlhf/mlflow.db"
+    """MLflow tracking URI (SQLite by default; any MLflow server URI works)."""
+    experiment: str = "rlhf"
+    """MLflow experiment name."""
+
+
+class Config(Section):
+    """Everything one training run needs."""
+
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    actor: ActorConfig = ActorConfig()
+    critic: CriticConfig = CriticConfig()
+    reward: RewardConfig = RewardConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _check_registries(self) -> "Config":
+        from components.algorithms import (
+            get_advantage_estimator,
+            get_kl_estimator,
+            get_loss_aggregation,
+            get_policy_loss,
+        )
+
+        get_advantage_estimator(self.algorithm.adv_estimator, field="algorithm.adv_estimator")
+        get_kl_estimator(self.algorithm.kl_penalty, field="algorithm.kl_penalty")
+        get_kl_estimator(self.actor.kl_loss_type, field="actor.kl_loss_type")
+        get_policy_loss(self.actor.policy_loss, field="actor.policy_loss")
+        get_loss_aggregation(self.actor.loss_agg_mode, field="actor.loss_agg_mode")
+        get_loss_aggregation(self.critic.loss_agg_mode, field="critic.loss_agg_mode")
+        if self.algorithm.kl_ctrl.type == "adaptive" and (
+            self.algorithm.kl_ctrl.target_kl is None or self.algorithm.kl_ctrl.horizon is None
+        ):
+            raise ValueError("algorithm.kl_ctrl: type=adaptive needs target_kl and horizon")
+        if self.reward.kind == "model" and not self.reward.model_path:
+            raise ValueError("reward.model_path: required when reward.kind=model")
+        if self.actor.micro_batch_size > self.actor.ppo_mini_batch_size:
+            raise ValueError(
+                f"actor.micro_batch_size={self.actor.micro_batch_size} must be <= "
+                f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size}"
+            )
+        return self
+
+    @property
+    def uses_critic(self) -> bool:
+        from components.algorithms import ESTIMATORS_NEEDING_CRITIC
+
+        return self.algorithm.adv_estimator in ESTIMATORS_NEEDING_CRITIC
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.data.prompts_per_step * self.rollout.n
+
+
+def _format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "config"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{field}: unknown field (check the spelling; `rlhf config show` lists fields)")
+        elif "input" in item and not isinstance(item["input"], dict) and item["loc"]:
+            lines.append(f"{field}={item['input']!r}: {message}")
+        else:
+            lines.append(f"{field}: {message}" if item["loc"] else message)
+    return "; ".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`actor.optim.lr=1e-4` -> (["actor", "optim", "lr"], 1e-4); values are parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key.path=value, e.g. trainer.total_steps=10")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _set_path(tree: dict, path: list[str], value: Any) -> None:
+    for part in path[:-1]:
+        node = tree.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {part} is not a section")
+        tree = node
+    tree[path[-1]] = value
+
+
+def build_config(data: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Validate a nested dict plus `key=value` overrides into a Config, or raise ConfigError."""
+    tree: dict = dict(data or {})
+    for override in overrides:
+        _set_path(tree, *parse_override(override))
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (or the defaults when path is None) and apply overrides."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    return build_config(data, overrides)
+
+
+def flatten(config: Config) -> dict[str, Any]:
+    """Dotted-key view of the config, for MLflow params."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, child in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, child)
+        else:
+            flat[prefix] = value
+
+    walk("", config.model_dump(mode="json"))
+    return flat

@@ -1,0 +1,120 @@
+"""Process-local role instances: each model loads once per process and stays resident across steps.
+
+Stage functions ask `get_role(config, name)`; whichever process runs them (the flow's own today, a
+GPU-pinned worker later) keeps its roles here, keyed by run, so nothing assumes a particular process.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from flows.config import Config
+from storage import RunLayout
+
+_ROLES: dict[tuple[str, str], Any] = {}
+_LOCK = threading.Lock()
+LOAD_COUNTS: dict[str, int] = {}
+"""How many times each role was built in this process (tests check models load once)."""
+
+
+def layout_for(config: Config) -> RunLayout:
+    return RunLayout(config.run.storage_root, config.run.name)
+
+
+def initial_policy_path(config: Config) -> str:
+    """The policy RL starts from: the warm-start output when there is one, else model.path."""
+    if config.warm_start.steps > 0:
+        return layout_for(config).weights_dir("actor", 0)
+    return config.model.path
+
+
+def _model_kwargs(config: Config) -> dict:
+    return dict(dtype=config.model.dtype, device=config.trainer.device,
+                attn_implementation=config.model.attn_implementation,
+                trust_remote_code=config.model.trust_remote_code)
+
+
+def _build_rollout(config: Config):
+    from components.rollout import HFRolloutEngine
+
+    return HFRolloutEngine.from_pretrained(initial_policy_path(config), micro_batch_size=config.rollout.micro_batch_size,
+                                           **_model_kwargs(config))
+
+
+def _build_actor(config: Config):
+    from components.actor import Actor
+
+    return Actor.from_pretrained(initial_policy_path(config), config.actor, temperature=config.rollout.temperature,
+                                 seed=config.trainer.seed, **_model_kwargs(config))
+
+
+def _build_reference(config: Config):
+    from components.reference import Reference
+
+    return Reference.from_pretrained(initial_policy_path(config), temperature=config.rollout.temperature,
+                                     micro_batch_size=config.actor.micro_batch_size, **_model_kwargs(config))
+
+
+def _build_critic(config: Config):
+    from components.critic import Critic
+
+    return Critic.from_pretrained(config.critic.model_path or initial_policy_path(config), config.critic,
+                                  seed=config.trainer.seed, **_model_kwargs(config))
+
+
+def _build_reward(config: Config):
+    from components.models import resolve_device
+    from components.rewards import RewardModel, load_reward_function
+
+    if config.reward.kind == "model":
+        return RewardModel.from_pretrained(config.reward.model_path, device=resolve_device(config.trainer.device))
+    return load_reward_function(config.reward.function)
+
+
+def _build_tokenizer(config: Config):
+    from components.models import load_tokenizer
+
+    return load_tokenizer(config.model.path, config.model.trust_remote_code)
+
+
+def _load_prompt_split(config: Config, files: list[str], field: str):
+    from components.data import load_prompts
+
+    records, _filtered = load_prompts(files, get_role(config, "tokenizer"), max_prompt_length=config.data.max_prompt_length,
+                                      overlong=config.data.overlong_prompts, field=field)
+    return records
+
+
+BUILDERS: dict[str, Callable[[Config], Any]] = {
+    "rollout": _build_rollout,
+    "actor": _build_actor,
+    "reference": _build_reference,
+    "critic": _build_critic,
+    "reward": _build_reward,
+    "tokenizer": _build_tokenizer,
+    "train_prompts": lambda config: _load_prompt_split(config, config.data.train_files, "data.train_files"),
+    "val_prompts": lambda config: _load_prompt_split(config, config.data.val_files, "data.val_files"),
+}
+
+
+def get_role(config: Config, name: str) -> Any:
+    """The resident instance of role `name` for this run, built on first use."""
+    key = (f"{config.run.storage_root}/{config.run.name}", name)
+    with _LOCK:
+        if key in _ROLES:
+            return _ROLES[key]
+    instance = BUILDERS[name](config)  # outside the lock: roles load concurrently
+    with _LOCK:
+        if key not in _ROLES:
+            _ROLES[key] = instance
+            LOAD_COUNTS[name] = LOAD_COUNTS.get(name, 0) + 1
+        return _ROLES[key]
+
+
+def release_run(config: Config) -> None:
+    """Drop every role of this run (end of run, or before a fresh start under the same name)."""
+    prefix = f"{config.run.storage_root}/{config.run.name}"
+    with _LOCK:
+        for key in [key for key in _ROLES if key[0] == prefix]:
+            del _ROLES[key]

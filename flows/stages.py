@@ -1,0 +1,304 @@
+"""Stage functions: one per box of the stage graph, each reading and writing storage only.
+
+Every stage takes the run's `Config` and a step number, finds its inputs in the run layout, writes
+its output atomically, and returns a small `StageResult` (the output path and scalar metrics). No
+tensors or tables cross a stage boundary, and nothing assumes which process runs a stage: models come
+from `flows.roles.get_role`, resident in whichever process that is.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from contextlib import contextmanager
+from typing import Iterator, TypedDict
+
+import torch
+
+from components.algorithms import (
+    apply_kl_penalty,
+    get_advantage_estimator,
+    masked_mean,
+    sequence_scores_to_token_rewards,
+)
+from components.batch import SequenceBatch, build_sequence_batch
+from components.rollout import SamplingParams
+from flows.config import Config
+from flows.roles import get_role, initial_policy_path, layout_for
+from storage import atomic_directory, padded_tensor, read_stage, unpad, write_stage
+
+
+class StageResult(TypedDict):
+    path: str
+    metrics: dict[str, float]
+
+
+@contextmanager
+def timed(metrics: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    metrics[f"timing_s/{name}"] = time.perf_counter() - start
+
+
+def _stats(prefix: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
+    selected = values[mask.bool()] if mask is not None else values.flatten()
+    if selected.numel() == 0:
+        return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
+    return {f"{prefix}/mean": float(selected.float().mean()), f"{prefix}/max": float(selected.max()),
+            f"{prefix}/min": float(selected.min())}
+
+
+def _read(config: Config, step: int, stage: str, rollout=None):
+    expected = None if rollout is None else rollout.column("uid").to_pylist()
+    return read_stage(layout_for(config), step, stage, expected_rows=None if expected is None else len(expected),
+                      expected_uids=expected)
+
+
+def _rollout_batch(config: Config, rollout) -> SequenceBatch:
+    tokenizer = get_role(config, "tokenizer")
+    return build_sequence_batch(rollout.column("prompt_ids").to_pylist(), rollout.column("response_ids").to_pylist(),
+                                tokenizer.pad_token_id)
+
+
+def _per_token(table, column: str, length: int) -> torch.Tensor:
+    values, _ = padded_tensor(table.column(column), 0.0, torch.float32, side="right", length=length)
+    return values
+
+
+def sync_rollout_weights(config: Config, step: int) -> dict[str, float]:
+    """Load the actor weights published for `step` into the rollout engine, if it has older ones."""
+    engine = get_role(config, "rollout")
+    latest = layout_for(config).latest_weights("actor")
+    metrics: dict[str, float] = {}
+    if latest is not None and latest[0] <= step and engine.weights_version != latest[0]:
+        with timed(metrics, "weight_sync"):
+            engine.load_weights(latest[1])
+            engine.weights_version = latest[0]
+    return metrics
+
+
+def rollout(config: Config, step: int) -> StageResult:
+    """Sample `rollout.n` responses for each of the step's prompts."""
+    from components.data import PromptSampler
+
+    metrics = sync_rollout_weights(config, step)
+    records = get_role(config, "train_prompts")
+    sampler = PromptSampler(len(records), config.data.prompts_per_step, config.trainer.seed, config.data.shuffle)
+    prompts = [records[index] for index in sampler.batch_indices(step)]
+    params = SamplingParams(n=config.rollout.n, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+                            top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens,
+                            seed=config.trainer.seed * 1_000_003 + step)
+    with timed(metrics, "gen"):
+        generations = get_role(config, "rollout").generate([p.prompt_ids for p in prompts], params)
+    columns = {
+        "uid": [f"s{step}-p{g.prompt_index}-n{g.sample_index}" for g in generations],
+        "group_id": [f"s{step}-p{g.prompt_index}" for g in generations],
+        "prompt_ids": [prompts[g.prompt_index].prompt_ids for g in generations],
+        "response_ids": [g.response_ids for g in generations],
+        "rollout_logprobs": [g.logprobs for g in generations],
+        "response_text": [g.text for g in generations],
+        "ground_truth": [prompts[g.prompt_index].ground_truth for g in generations],
+        "data_source": [prompts[g.prompt_index].data_source for g in generations],
+        "finish_reason": [g.finish_reason for g in generations],
+    }
+    path = write_stage(layout_for(config), step, "rollout", columns)
+    lengths = torch.tensor([len(g.response_ids) for g in generations], dtype=torch.float32)
+    metrics.update(_stats("response_length", lengths))
+    metrics["response_length/clip_ratio"] = sum(g.finish_reason == "length" for g in generations) / len(generations)
+    metrics.update(_stats("prompt_length", torch.tensor([float(len(p.prompt_ids)) for p in prompts])))
+    metrics["perf/gen_tokens"] = float(lengths.sum())
+    return {"path": path, "metrics": metrics}
+
+
+def _score(config: Config, prompt_texts, response_texts, ground_truths, data_sources) -> list[float]:
+    from components.rewards import score_responses
+
+    scorer = get_role(config, "reward")
+    if config.reward.kind == "model":
+        return scorer.score(list(prompt_texts), list(response_texts))
+    return score_responses(scorer, response_texts, ground_truths, data_sources)
+
+
+def reward(config: Config, step: int) -> StageResult:
+    """Sequence-level scores of the step's responses (rule function or reward model)."""
+    rollout_table = _read(config, step, "rollout")
+    metrics: dict[str, float] = {}
+    with timed(metrics, "reward"):
+        tokenizer = get_role(config, "tokenizer")
+        prompt_texts = tokenizer.batch_decode(rollout_table.column("prompt_ids").to_pylist(), skip_special_tokens=True)
+        scores = _score(config, prompt_texts, rollout_table.column("response_text").to_pylist(),
+                        rollout_table.column("ground_truth").to_pylist(), rollout_table.column("data_source").to_pylist())
+        path = write_stage(layout_for(config), step, "reward",
+                           {"uid": rollout_table.column("uid").to_pylist(), "score": scores})
+    metrics.update(_stats("critic/score", torch.tensor(scores)))
+    return {"path": path, "metrics": metrics}
+
+
+def _per_token_stage(config: Config, step: int, stage: str, column: str, timing: str, compute) -> StageResult:
+    rollout_table = _read(config, step, "rollout")
+    batch = _rollout_batch(config, rollout_table)
+    metrics: dict[str, float] = {}
+    with timed(metrics, timing):
+        values = compute(batch)
+        path = write_stage(layout_for(config), step, stage, {"uid": rollout_table.column("uid").to_pylist(),
+                                                              column: unpad(values, batch.response_mask)})
+    return {"path": path, "metrics": metrics, "values": values, "batch": batch, "rollout": rollout_table}
+
+
+def reference(config: Config, step: int) -> StageResult:
+    """Log-probs of the responses under the frozen reference policy."""
+    result = _per_token_stage(config, step, "reference", "ref_logprobs", "ref",
+                              get_role(config, "reference").compute_logprobs)
+    return {"path": result["path"], "metrics": result["metrics"]}
+
+
+def values(config: Config, step: int) -> StageResult:
+    """Critic values of every response position."""
+    result = _per_token_stage(config, step, "values", "values", "values", get_role(config, "critic").compute_values)
+    metrics = result["metrics"] | _stats("critic/values", result["values"], result["batch"].response_mask)
+    return {"path": result["path"], "metrics": metrics}
+
+
+def old_logprobs(config: Config, step: int) -> StageResult:
+    """The actor's log-probs before its update, and how far they are from the rollout engine's."""
+    result = _per_token_stage(config, step, "old_logprobs", "old_logprobs", "old_log_prob",
+                              lambda batch: get_role(config, "actor").compute_logprobs(batch)[0])
+    batch, mask = result["batch"], result["batch"].response_mask
+    rollout_logprobs = _per_token(result["rollout"], "rollout_logprobs", batch.response_length)
+    difference = (result["values"] - rollout_logprobs).abs() * mask
+    metrics = result["metrics"]
+    metrics["rollout/logprob_diff_mean"] = float(masked_mean(difference, mask))
+    metrics["rollout/logprob_diff_max"] = float(difference.max())
+    return {"path": result["path"], "metrics": metrics}
+
+
+def advantages(config: Config, step: int, kl_coef: float) -> StageResult:
+    """Token rewards (score at the last token, minus the KL penalty if configured) and advantages."""
+    metrics: dict[str, float] = {}
+    with timed(metrics, "adv"):
+        rollout_table = _read(config, step, "rollout")
+        batch = _rollout_batch(config, rollout_table)
+        mask, length = batch.response_mask, batch.response_length
+        scores = torch.tensor(_read(config, step, "reward", rollout_table).column("score").to_pylist())
+        token_rewards = sequence_scores_to_token_rewards(scores, mask)
+        if config.algorithm.use_kl_in_reward:
+            token_rewards, kl_metrics = apply_kl_penalty(
+                token_level_scores=token_rewards,
+                logprobs=_per_token(_read(config, step, "old_logprobs", rollout_table), "old_logprobs", length),
+                ref_logprobs=_per_token(_read(config, step, "reference", rollout_table), "ref_logprobs", length),
+                response_mask=mask, kl_coef=kl_coef, estimator=config.algorithm.kl_penalty)
+            metrics.update(kl_metrics)
+        critic_values = (_per_token(_read(config, step, "values", rollout_table), "values", length)
+                         if config.uses_critic else None)
+        estimator = get_advantage_estimator(config.algorithm.adv_estimator)
+        advantage, returns = estimator(token_rewards=token_rewards, response_mask=mask, values=critic_values,
+                                       group_ids=rollout_table.column("group_id").to_pylist(),
+                                       gamma=config.algorithm.gamma, lam=config.algorithm.lam)
+        path = write_stage(layout_for(config), step, "advantages", {
+            "uid": rollout_table.column("uid").to_pylist(), "token_rewards": unpad(token_rewards, mask),
+            "advantages": unpad(advantage, mask), "returns": unpad(returns, mask)})
+    metrics.update(_stats("critic/rewards", token_rewards.sum(-1)))
+    metrics.update(_stats("critic/advantages", advantage, mask))
+    metrics.update(_stats("critic/returns", returns, mask))
+    return {"path": path, "metrics": metrics}
+
+
+def update_actor(config: Config, step: int) -> StageResult:
+    """PPO update of the policy, then publish its weights for the rollout of step+1."""
+    rollout_table = _read(config, step, "rollout")
+    batch = _rollout_batch(config, rollout_table)
+    length = batch.response_length
+    ref_logprobs = (_per_token(_read(config, step, "reference", rollout_table), "ref_logprobs", length)
+                    if config.actor.use_kl_loss else None)
+    actor = get_role(config, "actor")
+    metrics: dict[str, float] = {}
+    with timed(metrics, "update_actor"):
+        metrics.update(actor.update(
+            batch, old_logprobs=_per_token(_read(config, step, "old_logprobs", rollout_table), "old_logprobs", length),
+            advantages=_per_token(_read(config, step, "advantages", rollout_table), "advantages", length),
+            ref_logprobs=ref_logprobs))
+    layout = layout_for(config)
+    path = layout.weights_dir("actor", step + 1)
+    with timed(metrics, "save_weights"), atomic_directory(layout.fs, path) as local:
+        actor.model.save_pretrained(local)
+    return {"path": path, "metrics": metrics}
+
+
+def update_critic(config: Config, step: int) -> StageResult:
+    """Clipped value regression of the critic on this step's returns."""
+    rollout_table = _read(config, step, "rollout")
+    batch = _rollout_batch(config, rollout_table)
+    length = batch.response_length
+    metrics: dict[str, float] = {}
+    with timed(metrics, "update_critic"):
+        metrics.update(get_role(config, "critic").update(
+            batch, old_values=_per_token(_read(config, step, "values", rollout_table), "values", length),
+            returns=_per_token(_read(config, step, "advantages", rollout_table), "returns", length)))
+    return {"path": layout_for(config).stage_path(step, "advantages"), "metrics": metrics}
+
+
+def evaluate(config: Config, engine, records) -> tuple[dict, dict[str, float]]:
+    """Generate once per validation prompt (val_temperature) and score; return columns and metrics."""
+    records = records[: config.data.max_val_prompts] if config.data.max_val_prompts else records
+    params = SamplingParams(n=1, temperature=config.rollout.val_temperature, top_p=config.rollout.top_p,
+                            max_new_tokens=config.rollout.max_new_tokens, seed=config.trainer.seed)
+    generations = engine.generate([r.prompt_ids for r in records], params)
+    texts = [g.text for g in generations]
+    scores = _score(config, [r.prompt_text for r in records], texts, [r.ground_truth for r in records],
+                    [r.data_source for r in records])
+    columns = {"uid": [f"val-{r.index}" for r in records], "prompt_text": [r.prompt_text for r in records],
+               "response_text": texts, "ground_truth": [r.ground_truth for r in records],
+               "data_source": [r.data_source for r in records], "score": scores}
+    metrics = {"val/reward/mean": sum(scores) / len(scores)}
+    for source in sorted(set(columns["data_source"])):
+        chosen = [s for s, d in zip(scores, columns["data_source"]) if d == source]
+        # verl's name is .../mean@1; MLflow forbids '@' in metric names.
+        metrics[f"val-core/{re.sub(r'[^A-Za-z0-9_./ -]', '_', source)}/reward/mean_at_1"] = sum(chosen) / len(chosen)
+    return columns, metrics
+
+
+def validate(config: Config, step: int) -> StageResult:
+    """Validation reward of the policy as it is at the start of `step`."""
+    metrics = sync_rollout_weights(config, step)
+    with timed(metrics, "testing"):
+        columns, val_metrics = evaluate(config, get_role(config, "rollout"), get_role(config, "val_prompts"))
+        path = write_stage(layout_for(config), step, "validation", columns)
+    return {"path": path, "metrics": metrics | val_metrics}
+
+
+def warm_start(config: Config) -> StageResult:
+    """Supervised warm-start from model.path; publishes the result as the step-0 policy."""
+    from components.models import load_causal_lm
+    from components.rollout import HFRolloutEngine
+    from components.sft import warm_start as fine_tune
+
+    model = load_causal_lm(config.model.path, dtype=config.model.dtype, device=config.trainer.device,
+                           attn_implementation=config.model.attn_implementation,
+                           trust_remote_code=config.model.trust_remote_code)
+    tokenizer = get_role(config, "tokenizer")
+    engine = HFRolloutEngine(model, tokenizer)
+    _, before = evaluate(config, engine, get_role(config, "val_prompts"))
+    records = get_role(config, "train_prompts")
+    metrics: dict[str, float] = {"warm_start/val_reward_before": before["val/reward/mean"]}
+    with timed(metrics, "warm_start"):
+        losses = fine_tune(model, tokenizer, [r.prompt_ids for r in records], [r.target_text for r in records],
+                           steps=config.warm_start.steps, batch_size=config.warm_start.batch_size,
+                           lr=config.warm_start.lr, seed=config.trainer.seed)
+    metrics["warm_start/loss_first"], metrics["warm_start/loss_last"] = losses[0], losses[-1]
+    layout = layout_for(config)
+    path = initial_policy_path(config)
+    with atomic_directory(layout.fs, path) as local:
+        model.save_pretrained(local)
+        tokenizer.save_pretrained(local)
+    return {"path": path, "metrics": metrics}
+
+
+def sample_rows(config: Config, step: int, limit: int = 16) -> dict[str, list]:
+    """A few of the step's generations with their scores, for the MLflow samples table."""
+    rollout_table = _read(config, step, "rollout").slice(0, limit)
+    scores = _read(config, step, "reward").slice(0, limit).column("score").to_pylist()
+    tokenizer = get_role(config, "tokenizer")
+    return {"uid": rollout_table.column("uid").to_pylist(),
+            "prompt": tokenizer.batch_decode(rollout_table.column("prompt_ids").to_pylist(), skip_special_tokens=True),
+            "response": rollout_table.column("response_text").to_pylist(),
+            "ground_truth": rollout_table.column("ground_truth").to_pylist(), "score": scores}

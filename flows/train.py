@@ -1,0 +1,161 @@
+"""The training flow: PPO / GRPO as a Prefect stage graph.
+
+Before step 0 (optional): supervised warm-start of the policy, then validation.
+Each training step k:
+  1. rollout: sample rollout.n responses per prompt with the policy published for step k.
+  2. reward scores, reference log-probs, critic values, old log-probs: concurrently.
+  3. advantages (driver): score at the last token, minus the KL penalty if configured, then the
+     registered estimator (GAE, GRPO, RLOO, REINFORCE++).
+  4. actor update and critic update: concurrently; the actor publishes weights for step k+1.
+  5. the adaptive KL controller steps; metrics go to MLflow; validation every trainer.val_every steps.
+
+Departures from textbook PPO: GRPO-family estimators skip the critic; the KL to the reference is
+either a reward penalty (algorithm.use_kl_in_reward) or a loss term (actor.use_kl_loss), as in verl;
+the log-probs use logits divided by the sampling temperature, so they match the rollout engine's.
+
+Tasks are thin wrappers of `flows.stages` functions and pass only storage paths and scalar metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from components.algorithms import make_kl_controller
+from flows import stages
+from flows.config import Config, ConfigError
+from flows.roles import layout_for, release_run
+from flows.tracking import Tracker
+
+
+def _stage_task(function, name: str):
+    return task(function, name=name, cache_policy=NO_CACHE, tags=["rlhf", name])
+
+
+rollout_task = _stage_task(stages.rollout, "rollout")
+reward_task = _stage_task(stages.reward, "reward")
+reference_task = _stage_task(stages.reference, "reference")
+values_task = _stage_task(stages.values, "values")
+old_logprobs_task = _stage_task(stages.old_logprobs, "old_logprobs")
+advantages_task = _stage_task(stages.advantages, "advantages")
+update_actor_task = _stage_task(stages.update_actor, "update_actor")
+update_critic_task = _stage_task(stages.update_critic, "update_critic")
+validate_task = _stage_task(stages.validate, "validate")
+warm_start_task = _stage_task(stages.warm_start, "warm_start")
+
+
+@dataclass
+class RunState:
+    """What the driver holds between steps: no models, only the tracker and the KL coefficient."""
+
+    config: Config
+    tracker: Tracker
+    kl_controller: object
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def run(self, stage_task, *args) -> dict[str, float]:
+        """Run one stage with the configured retries, wait at most the stage timeout; return its metrics."""
+        return self.wait(self.submit(stage_task, *args))
+
+    def submit(self, stage_task, *args):
+        configured = stage_task.with_options(retries=self.config.trainer.stage_retries)
+        return configured.submit(self.config, *args)
+
+    def wait(self, future) -> dict[str, float]:
+        # The timeout bounds the driver's wait: a thread or worker running the stage cannot be interrupted.
+        return future.result(timeout=self.config.trainer.stage_timeout_s)["metrics"]
+
+
+def start_run(config: Config) -> RunState:
+    """Refuse to overwrite an earlier run by accident, open the MLflow run, build the KL controller."""
+    layout = layout_for(config)
+    if layout.exists(layout.run_dir):
+        if not config.run.overwrite:
+            raise ConfigError(
+                f"run.name={config.run.name!r}: {layout.run_dir} already exists; choose another run.name "
+                "or set run.overwrite=true to start it over")
+        layout.fs.rm(layout.run_dir, recursive=True)
+    release_run(config)
+    layout.fs.makedirs(layout.run_dir, exist_ok=True)
+    ctrl = config.algorithm.kl_ctrl
+    controller = make_kl_controller(ctrl.type, ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
+    return RunState(config=config, tracker=Tracker(config), kl_controller=controller)
+
+
+def training_step(state: RunState, step: int) -> dict[str, float]:
+    """One PPO/GRPO step as a stage graph; returns the step's metrics."""
+    config, started = state.config, time.perf_counter()
+    # step 1. rollout with the policy published for this step
+    metrics = state.run(rollout_task, step)
+    # step 2. score, reference, values and old log-probs do not depend on each other
+    parallel = [state.submit(reward_task, step), state.submit(old_logprobs_task, step)]
+    if config.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
+        parallel.append(state.submit(reference_task, step))
+    if config.uses_critic:
+        parallel.append(state.submit(values_task, step))
+    for future in parallel:
+        metrics |= state.wait(future)
+    # step 3. token rewards and advantages (driver math, written to storage)
+    metrics |= state.run(advantages_task, step, state.kl_controller.value)
+    # step 4. actor and critic updates do not depend on each other
+    updates = [state.submit(update_actor_task, step)]
+    if config.uses_critic:
+        updates.append(state.submit(update_critic_task, step))
+    for future in updates:
+        metrics |= state.wait(future)
+    # step 5. KL controller, throughput
+    if "actor/reward_kl_penalty" in metrics:
+        state.kl_controller.update(metrics["actor/reward_kl_penalty"], config.samples_per_step)
+    metrics["timing_s/step"] = time.perf_counter() - started
+    metrics["perf/throughput"] = metrics.get("perf/gen_tokens", 0.0) / metrics["timing_s/step"]
+    return metrics
+
+
+def _progress_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    parts = [f"step {step + 1}/{total}", f"score {metrics.get('critic/score/mean', float('nan')):.3f}"]
+    if "val/reward/mean" in metrics:
+        parts.append(f"val {metrics['val/reward/mean']:.3f}")
+    parts.append(f"kl {metrics.get('actor/ppo_kl', 0.0):.4f}")
+    parts.append(f"len {metrics.get('response_length/mean', 0.0):.1f}")
+    parts.append(" ".join(f"{name[9:]} {metrics[name]:.2f}s" for name in
+                          ("timing_s/gen", "timing_s/update_actor", "timing_s/step") if name in metrics))
+    return " | ".join(parts)
+
+
+@flow(name="rlhf-train", log_prints=True)
+def train(config: Config) -> dict:
+    """Train a causal LM with PPO/GRPO; return the final validation reward and where to look."""
+    logger = get_run_logger()
+    state = start_run(config)
+    trainer = config.trainer
+    status = "FAILED"
+    try:
+        summary: dict = {"mlflow_run_id": state.tracker.run_id, "run_dir": layout_for(config).run_dir}
+        if config.warm_start.steps > 0:
+            # step 0. supervised warm-start (see components/sft.py for why)
+            warm = state.run(warm_start_task)
+            state.tracker.log_metrics(warm, step=0)
+            summary["val_reward_before_warm_start"] = warm["warm_start/val_reward_before"]
+        first = state.run(validate_task, 0)
+        state.tracker.log_metrics(first, step=0)
+        summary["val_reward_start"] = first["val/reward/mean"]
+        logger.info("validation before RL: reward %.3f", first["val/reward/mean"])
+        for step in range(trainer.total_steps):
+            metrics = training_step(state, step)
+            last = step + 1 == trainer.total_steps
+            if last or (trainer.val_every and (step + 1) % trainer.val_every == 0):
+                metrics |= state.run(validate_task, step + 1)
+            state.tracker.log_metrics(metrics, step=step + 1)
+            if step % trainer.samples_every == 0 or last:
+                state.tracker.log_table(stages.sample_rows(config, step), f"samples/step_{step + 1:05d}.json")
+            state.history.append(metrics)
+            logger.info(_progress_line(step, trainer.total_steps, metrics))
+        summary["val_reward_end"] = state.history[-1]["val/reward/mean"]
+        status = "FINISHED"
+        return summary
+    finally:
+        state.tracker.finish(status)
+        release_run(config)
