@@ -15,7 +15,7 @@ import torch
 from components.algorithms import aggregate_loss, entropy_from_logits, get_policy_loss, kl_loss, logprobs_from_logits
 from components.batch import SequenceBatch, response_logits
 from components.models import load_causal_lm, load_tokenizer
-from components.training import make_optimizer, run_updates
+from components.training import loss_row_weights, make_optimizer, run_updates
 
 
 @torch.no_grad()
@@ -109,7 +109,7 @@ class Actor:
             model=self.model, optimizer=self._optimizer, scheduler=self._scheduler, batch_size=batch.size,
             mini_batch_size=config.ppo_mini_batch_size, micro_batch_size=config.micro_batch_size,
             epochs=config.ppo_epochs, grad_clip=config.optim.grad_clip, seed=self.seed + self.updates,
-            micro_loss=micro_loss, prefix="actor",
+            micro_loss=micro_loss, prefix="actor", row_weights=loss_row_weights(batch.response_mask, config.loss_agg_mode),
         )
         self.updates += 1
         return metrics

@@ -11,7 +11,7 @@ import torch
 from components.algorithms import value_loss
 from components.batch import SequenceBatch
 from components.models import load_pretrained
-from components.training import make_optimizer, run_updates
+from components.training import loss_row_weights, make_optimizer, run_updates
 
 
 def response_values(model, batch: SequenceBatch) -> torch.Tensor:
@@ -36,11 +36,18 @@ class Critic:
     @classmethod
     def from_pretrained(cls, path: str, config=None, *, dtype="float32", device="auto",
                         attn_implementation="auto", trust_remote_code=False, seed=0):
-        from transformers import AutoModelForTokenClassification
+        from transformers import AutoConfig, AutoModelForTokenClassification
 
+        from components.models import model_source
+
+        # No dropout before the value head: update() runs in train mode and must see the same values
+        # that compute_values() produced in eval mode (old_values), or the clipped loss is biased.
+        model_config = AutoConfig.from_pretrained(model_source(path), trust_remote_code=trust_remote_code,
+                                                  num_labels=1)
+        model_config.classifier_dropout = 0.0  # transformers 5 drops it when given as a kwarg
         model = load_pretrained(AutoModelForTokenClassification, path, dtype=dtype, device=device,
                                 attn_implementation=attn_implementation,
-                                trust_remote_code=trust_remote_code, num_labels=1)
+                                trust_remote_code=trust_remote_code, config=model_config)
         return cls(model, config, seed=seed)
 
     @property
@@ -73,7 +80,7 @@ class Critic:
             model=self.model, optimizer=self._optimizer, scheduler=self._scheduler, batch_size=batch.size,
             mini_batch_size=config.ppo_mini_batch_size, micro_batch_size=config.micro_batch_size,
             epochs=config.ppo_epochs, grad_clip=config.optim.grad_clip, seed=self.seed + self.updates,
-            micro_loss=micro_loss, prefix="critic",
+            micro_loss=micro_loss, prefix="critic", row_weights=loss_row_weights(batch.response_mask, config.loss_agg_mode),
         )
         self.updates += 1
         return metrics

@@ -55,7 +55,7 @@ def check_model_source(path: str, field: str = "model.path") -> None:
         )
 
 
-def _source(path: str) -> str:
+def model_source(path: str) -> str:
     local = Path(path).expanduser()
     return str(local) if local.exists() else path
 
@@ -65,7 +65,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     check_model_source(path)
-    tokenizer = AutoTokenizer.from_pretrained(_source(path), trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model_source(path), trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -86,7 +86,7 @@ def load_pretrained(
     device = resolve_device(device) if isinstance(device, str) else device
     torch_dtype = resolve_dtype(dtype)
     model = auto_class.from_pretrained(
-        _source(path),
+        model_source(path),
         dtype=torch_dtype,
         attn_implementation=resolve_attn_implementation(attn_implementation, device, torch_dtype),
         trust_remote_code=trust_remote_code,

@@ -71,12 +71,16 @@ class HFRolloutEngine:
             state.update(load_file(shard, device=str(next(self.model.parameters()).device)))
         if not state:
             raise ValueError(f"no *.safetensors weights in {path}")
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        current = self.model.state_dict()
+        # Check everything before copying anything, so a rejected checkpoint leaves the engine intact.
         # Tied embeddings are saved once; anything else missing means a different architecture.
-        missing = [name for name in missing if name != "lm_head.weight"]
-        if missing or unexpected:
+        missing = [name for name in current if name not in state and name != "lm_head.weight"]
+        unexpected = [name for name in state if name not in current]
+        mismatched = [name for name in state if name in current and state[name].shape != current[name].shape]
+        if missing or unexpected or mismatched:
             raise ValueError(f"weights in {path} do not match the rollout model: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}")
+                             f"unexpected {unexpected[:3]}, other shapes {mismatched[:3]}")
+        self.model.load_state_dict(state, strict=False)
 
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:

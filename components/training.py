@@ -42,25 +42,30 @@ def run_updates(
     seed: int,
     micro_loss: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
     prefix: str,
+    row_weights: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Run the update; `micro_loss(indices)` returns (loss, metrics) for those batch rows.
 
-    Each micro-batch loss is scaled by its share of the mini-batch so that accumulated gradients
-    equal those of one mini-batch. Returns metrics averaged over micro-batches, plus
-    `<prefix>/grad_norm`, `<prefix>/lr` and `<prefix>/skipped_steps`.
+    Each micro-batch loss is scaled by its share of the mini-batch's weight (`row_weights[B]`:
+    valid tokens per row for token-mean losses, 1 per row otherwise), so that accumulated gradients
+    equal those of the whole mini-batch. Returns metrics averaged over micro-batches, plus
+    `<prefix>/grad_norm`, `<prefix>/lr` (the rate the last step used) and `<prefix>/skipped_steps`.
     """
+    row_weights = torch.ones(batch_size) if row_weights is None else row_weights.float()
     model.train()
     generator = torch.Generator().manual_seed(seed)
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     skipped = 0
+    last_lr = optimizer.param_groups[0]["lr"]
     for _ in range(epochs):
         order = torch.randperm(batch_size, generator=generator)
         for mini in order.split(mini_batch_size):
             optimizer.zero_grad(set_to_none=True)
+            mini_weight = float(row_weights[mini].sum().clamp(min=1e-8))
             for micro in mini.split(micro_batch_size):
                 loss, metrics = micro_loss(micro)
-                (loss * (len(micro) / len(mini))).backward()
+                (loss * (float(row_weights[micro].sum()) / mini_weight)).backward()
                 for name, value in metrics.items():
                     sums[name] += float(value)
                     counts[name] += 1
@@ -69,12 +74,20 @@ def run_updates(
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue
+            last_lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
             sums[f"{prefix}/grad_norm"] += float(grad_norm)
             counts[f"{prefix}/grad_norm"] += 1
     model.eval()
     result = {name: sums[name] / counts[name] for name in sums}
-    result[f"{prefix}/lr"] = optimizer.param_groups[0]["lr"]
+    result[f"{prefix}/lr"] = last_lr
     result[f"{prefix}/skipped_steps"] = float(skipped)
     return result
+
+
+def loss_row_weights(response_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """Weight of each row `[B]` in a mini-batch loss: its valid tokens for token-mean, else 1."""
+    if loss_agg_mode == "token-mean":
+        return response_mask.sum(-1)
+    return torch.ones(response_mask.shape[0])

@@ -50,7 +50,6 @@ def run_training(config) -> dict:
 
         state = train(config, return_state=True)
         flow_run_id = state.state_details.flow_run_id
-        _flush_prefect_logs()
         summary = state.result(raise_on_failure=True)
     print("\nfinished. Where to look:")
     print(f"  run folder      {summary['run_dir']}")
@@ -60,16 +59,6 @@ def run_training(config) -> dict:
         if key in summary:
             print(f"  {key:<29} {summary[key]:.3f}")
     return summary
-
-
-def _flush_prefect_logs() -> None:
-    """Send buffered flow logs to the server before the embedded server stops."""
-    from prefect.logging.handlers import APILogWorker
-
-    try:
-        APILogWorker.drain_all(timeout=10)
-    except Exception:  # logs are best effort; the run's outcome is decided elsewhere
-        pass
 
 
 def cmd_quickstart(args) -> int:

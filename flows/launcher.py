@@ -92,4 +92,17 @@ def using_prefect_api(api_url: str, prefect_home: Path = DEFAULT_PREFECT_HOME) -
         prefect_home.mkdir(parents=True, exist_ok=True)
         updates[PREFECT_HOME] = str(prefect_home.resolve())
     with temporary_settings(updates=updates):
-        yield
+        try:
+            yield
+        finally:
+            _drain_logs()
+
+
+def _drain_logs() -> None:
+    """Send buffered run logs to the server while it is still up (it may stop right after)."""
+    from prefect.logging.handlers import APILogWorker
+
+    try:
+        APILogWorker.drain_all(timeout=10)
+    except Exception:  # logs are best effort; the run's outcome is decided elsewhere
+        pass

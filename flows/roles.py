@@ -14,6 +14,9 @@ from storage import RunLayout
 
 _ROLES: dict[tuple[str, str], Any] = {}
 _LOCK = threading.Lock()
+# transformers' from_pretrained is not thread-safe (concurrent loads in one process left tied weights
+# on the meta device here), so roles of one process load one at a time; separate workers still overlap.
+_LOAD_LOCK = threading.RLock()  # re-entrant: a builder may ask for another role (the tokenizer)
 LOAD_COUNTS: dict[str, int] = {}
 """How many times each role was built in this process (tests check models load once)."""
 
@@ -104,12 +107,15 @@ def get_role(config: Config, name: str) -> Any:
     with _LOCK:
         if key in _ROLES:
             return _ROLES[key]
-    instance = BUILDERS[name](config)  # outside the lock: roles load concurrently
-    with _LOCK:
-        if key not in _ROLES:
+    with _LOAD_LOCK:
+        with _LOCK:
+            if key in _ROLES:
+                return _ROLES[key]
+        instance = BUILDERS[name](config)
+        with _LOCK:
             _ROLES[key] = instance
             LOAD_COUNTS[name] = LOAD_COUNTS.get(name, 0) + 1
-        return _ROLES[key]
+            return instance
 
 
 def release_run(config: Config) -> None:

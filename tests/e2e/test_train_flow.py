@@ -1,0 +1,136 @@
+"""The real training flow against a real Prefect server and MLflow on SQLite, on a tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from flows.config import build_config
+from flows.roles import LOAD_COUNTS
+from storage import RunLayout, read_stage, validate_stage_file
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS, SAMPLES = 4, 4
+
+
+def _config(tmp_path, tiny_inputs, name, **sections):
+    data = {
+        "run": {"name": name, "storage_root": str(tmp_path / "runs")},
+        "model": {"path": tiny_inputs["model"]},
+        "data": {"train_files": [tiny_inputs["train"]], "val_files": [tiny_inputs["validation"]],
+                 "max_prompt_length": 16, "prompts_per_step": PROMPTS},
+        "rollout": {"n": SAMPLES, "max_new_tokens": 4},
+        "actor": {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "optim": {"lr": 1e-4}},
+        "warm_start": {"steps": 3, "batch_size": 8},
+        "trainer": {"total_steps": 2, "val_every": 1, "samples_every": 1, "device": "cpu"},
+        "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "e2e"},
+    }
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return build_config(data)
+
+
+def _run(config):
+    from flows.train import train
+
+    state = train(config, return_state=True)
+    assert state.is_completed(), state
+    return state, state.result()
+
+
+def _task_names(flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    assert all(run.state.is_completed() for run in runs)
+    return [run.task_key.split("-")[0] if False else run.name.rsplit("-", 1)[0] for run in runs]
+
+
+def test_grpo_flow_writes_every_stage_and_tracks_in_mlflow(prefect_api, tmp_path, tiny_inputs):
+    config = _config(tmp_path, tiny_inputs, "grpo", actor={"use_kl_loss": True, "ppo_mini_batch_size": 8,
+                                                            "micro_batch_size": 4})
+    loads_before = dict(LOAD_COUNTS)
+    state, summary = _run(config)
+
+    layout = RunLayout(config.run.storage_root, "grpo")
+    for step in range(2):
+        for stage in ("rollout", "reward", "reference", "old_logprobs", "advantages"):
+            assert validate_stage_file(layout, step, stage, expected_rows=PROMPTS * SAMPLES), (step, stage)
+        assert not layout.exists(layout.stage_path(step, "values"))  # GRPO runs no critic
+        rollout = read_stage(layout, step, "rollout")
+        assert len(set(rollout.column("uid").to_pylist())) == PROMPTS * SAMPLES
+        assert len(set(rollout.column("group_id").to_pylist())) == PROMPTS
+    assert layout.latest_weights("actor")[0] == 2  # published after the last update
+    # Every role model loaded once in this process across both steps.
+    for role in ("rollout", "actor", "reference", "reward"):
+        assert LOAD_COUNTS[role] - loads_before.get(role, 0) == 1, role
+
+    client = MlflowClient(tracking_uri=config.tracking.tracking_uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["actor.optim.lr"] == "0.0001"
+    assert run.data.tags["rlhf.algorithm"] == "grpo"
+    for name in ("timing_s/gen", "timing_s/update_actor", "critic/score/mean", "actor/pg_loss",
+                 "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss",
+                 "response_length/mean", "perf/throughput", "rollout/logprob_diff_mean"):
+        history = client.get_metric_history(run.info.run_id, name)
+        assert [m.step for m in history] == [1, 2], name
+        assert all(math.isfinite(m.value) for m in history), name
+    validation = client.get_metric_history(run.info.run_id, "val/reward/mean")
+    assert [m.step for m in validation] == [0, 1, 2]
+    assert validation[-1].value == pytest.approx(summary["val_reward_end"])
+    # The logged score equals the mean of the scores stored for that step.
+    scores = read_stage(layout, 1, "reward").column("score").to_pylist()
+    logged = client.get_metric_history(run.info.run_id, "critic/score/mean")[1].value
+    assert logged == pytest.approx(sum(scores) / len(scores))
+    # Float32 on CPU: the rollout engine's log-probs and the actor's recomputation agree.
+    assert client.get_metric_history(run.info.run_id, "rollout/logprob_diff_mean")[0].value < 0.02
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "samples")}
+    assert "samples/step_00001.json" in artifacts
+
+    names = _task_names(state.state_details.flow_run_id)
+    assert names.count("rollout") == 2 and names.count("update_actor") == 2
+    assert names.count("values") == 0 and names.count("warm_start") == 1
+
+
+def test_ppo_flow_with_critic_and_adaptive_kl_penalty(prefect_api, tmp_path, tiny_inputs):
+    config = _config(tmp_path, tiny_inputs, "ppo",
+                     algorithm={"adv_estimator": "gae", "use_kl_in_reward": True, "gamma": 1.0, "lam": 0.95,
+                                "kl_ctrl": {"type": "adaptive", "kl_coef": 0.05, "target_kl": 0.01, "horizon": 100}},
+                     critic={"ppo_mini_batch_size": 8, "micro_batch_size": 4}, warm_start={"steps": 0})
+    state, summary = _run(config)
+    layout = RunLayout(config.run.storage_root, "ppo")
+    for step in range(2):
+        assert validate_stage_file(layout, step, "values", expected_rows=PROMPTS * SAMPLES)
+    client = MlflowClient(tracking_uri=config.tracking.tracking_uri)
+    run_id = summary["mlflow_run_id"]
+    for name in ("critic/vf_loss", "critic/values/mean", "timing_s/update_critic", "actor/reward_kl_penalty"):
+        assert [m.step for m in client.get_metric_history(run_id, name)] == [1, 2], name
+    coefficients = [m.value for m in client.get_metric_history(run_id, "actor/reward_kl_penalty_coeff")]
+    kl_first = client.get_metric_history(run_id, "actor/reward_kl_penalty")[0].value
+    # Adaptive controller (Ziegler et al.): coef *= 1 + clip(kl/target - 1, -0.2, 0.2) * n / horizon.
+    expected = 0.05 * (1 + max(-0.2, min(0.2, kl_first / 0.01 - 1)) * (PROMPTS * SAMPLES) / 100)
+    assert coefficients[0] == pytest.approx(0.05)
+    assert coefficients[1] == pytest.approx(expected, rel=1e-6)
+    names = _task_names(state.state_details.flow_run_id)
+    assert names.count("values") == 2 and names.count("update_critic") == 2
+
+
+def test_existing_run_folder_is_refused_before_any_model_loads(prefect_api, tmp_path, tiny_inputs):
+    from flows.config import ConfigError
+    from flows.train import train
+
+    config = _config(tmp_path, tiny_inputs, "taken")
+    layout = RunLayout(config.run.storage_root, "taken")
+    layout.fs.makedirs(layout.run_dir)
+    (tmp_path / "runs" / "taken" / "keep.txt").write_text("earlier work")
+    loads_before = dict(LOAD_COUNTS)
+    with pytest.raises(ConfigError, match="run.name='taken'.*already exists"):
+        train(config)
+    assert (tmp_path / "runs" / "taken" / "keep.txt").read_text() == "earlier work"
+    assert LOAD_COUNTS == loads_before
