@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import os
 import sys
 from pathlib import Path
 
 import yaml
 
+# Sums of two numbers in 0..49: 2,500 distinct problems, 2,000 for training, 200 held out.
+QUICKSTART_TASK = {"train_size": 2000, "validation_size": 200, "high": 49, "seed": 0}
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -36,29 +39,46 @@ def _ensure_quickstart_inputs(config) -> None:
         print(f"building the tiny model at {config.model.path}")
         build_tiny_model(config.model.path)
     data_dir = Path(config.data.train_files[0]).parent
-    ensure_arithmetic_dataset(data_dir)
+    ensure_arithmetic_dataset(data_dir, **QUICKSTART_TASK)
 
 
 def run_training(config) -> dict:
     """Run the training flow against PREFECT_API_URL, or a local Prefect server started for it."""
     from flows.launcher import prefect_server, using_prefect_api
-    from flows.tracking import mlflow_ui_command
 
+    # One progress line per step on the terminal; task-run states stay visible in the Prefect UI.
+    logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
     with prefect_server() as api_url, using_prefect_api(api_url):
-        from prefect import get_client  # noqa: F401  (imported after the API URL is set)
         from flows.train import train
 
         state = train(config, return_state=True)
         flow_run_id = state.state_details.flow_run_id
         summary = state.result(raise_on_failure=True)
-    print("\nfinished. Where to look:")
-    print(f"  run folder      {summary['run_dir']}")
-    print(f"  MLflow run      {summary['mlflow_run_id']}  ({mlflow_ui_command(config)})")
-    print(f"  Prefect run     {flow_run_id}  (PREFECT_HOME={os.environ.get('PREFECT_HOME', '.rlhf/prefect')} prefect server start)")
-    for key in ("val_reward_before_warm_start", "val_reward_start", "val_reward_end"):
-        if key in summary:
-            print(f"  {key:<29} {summary[key]:.3f}")
+    _print_where_to_look(config, summary, flow_run_id)
     return summary
+
+
+def _print_where_to_look(config, summary: dict, flow_run_id) -> None:
+    from flows.launcher import DEFAULT_PREFECT_HOME
+    from flows.tracking import Tracker, tracking_uri
+
+    bin_dir = Path(sys.executable).parent
+    experiment_id = Tracker(config, run_id=summary["mlflow_run_id"]).experiment_id
+    prefect_home = os.environ.get("PREFECT_HOME") or str(DEFAULT_PREFECT_HOME.resolve())
+    print("\nfinished. Where to look:")
+    print(f"  run folder   {summary['run_dir']}")
+    print(f"  MLflow run   {summary['mlflow_run_id']}")
+    print(f"     view:     {bin_dir}/mlflow ui --backend-store-uri {tracking_uri(config)}")
+    print(f"               then http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{summary['mlflow_run_id']}")
+    print(f"  Prefect run  {flow_run_id}")
+    if not os.environ.get("PREFECT_API_URL"):
+        print(f"     view:     PREFECT_HOME={prefect_home} {bin_dir}/prefect server start")
+        print(f"               then http://127.0.0.1:4200/runs/flow-run/{flow_run_id}")
+    labels = {"val_reward_before_warm_start": "validation reward before warm-start",
+              "val_reward_start": "validation reward before RL", "val_reward_end": "validation reward at the end"}
+    for key, label in labels.items():
+        if key in summary:
+            print(f"  {label:<37} {summary[key]:.3f}")
 
 
 def cmd_quickstart(args) -> int:

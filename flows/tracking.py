@@ -80,11 +80,3 @@ class Tracker:
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
 
-    def run_url(self) -> str:
-        """Where to look: the MLflow UI path of this run (after `mlflow ui --backend-store-uri ...`)."""
-        return f"#/experiments/{self.experiment_id}/runs/{self.run_id}"
-
-
-def mlflow_ui_command(config: Config) -> str:
-    return f"mlflow ui --backend-store-uri {tracking_uri(config)}"
-

@@ -32,7 +32,9 @@ from flows.tracking import Tracker
 
 
 def _stage_task(function, name: str):
-    return task(function, name=name, cache_policy=NO_CACHE, tags=["rlhf", name])
+    # No tags: a tagged task asks the server for tag concurrency slots on every run, which cost
+    # about 2 s per stage here even with no limits defined.
+    return task(function, name=name, cache_policy=NO_CACHE)
 
 
 rollout_task = _stage_task(stages.rollout, "rollout")
