@@ -48,7 +48,7 @@ def test_help(command):
     assert result.stderr == ""
     assert "example" in result.stdout
     assert result.stdout.startswith(f"usage: rlhf {' '.join(command)}")
-    assert "rlhf " + command[-1] in result.stdout.split("example", 1)[1]  # the example runs this command
+    assert "rlhf " + " ".join(command) in result.stdout.split("example", 1)[1]  # the example runs this command
 
 
 def test_top_level_help_lists_commands():
