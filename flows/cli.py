@@ -98,7 +98,10 @@ def cmd_train(args) -> int:
 def cmd_config_show(args) -> int:
     from flows.config import load_config
 
-    config = load_config(args.config, args.overrides)
+    path, overrides = args.config, list(args.overrides)
+    if path is not None and "=" in path and not Path(path).exists():  # only overrides were given
+        path, overrides = None, [path, *overrides]
+    config = load_config(path, overrides)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 
@@ -120,7 +123,8 @@ def cmd_make_data(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlhf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="rlhf", description=__doc__.replace("\n\n", "\n\nexamples:\n", 1),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     overrides_help = "key.path=value overrides, e.g. trainer.total_steps=10 actor.optim.lr=1e-5"
 
@@ -138,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help=overrides_help)
     train.set_defaults(handler=cmd_train)
 
-    config = commands.add_parser("config", help="inspect configurations")
+    config = commands.add_parser("config", help="inspect configurations",
+                                 description="example: rlhf config show configs/quickstart.yaml trainer.total_steps=5")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     show = config_commands.add_parser("show", help="print the fully resolved config with defaults",
                                       description="example: rlhf config show configs/quickstart.yaml actor.optim.lr=1e-5")
@@ -166,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except ValueError as error:  # user errors (ConfigError, storage and data errors): one line
+    except (ValueError, OSError) as error:  # user errors (config, data, paths): one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

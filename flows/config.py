@@ -6,6 +6,7 @@ YAML files and `key.sub=value` overrides map onto the same model. A user error s
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,7 +21,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Attribute docstrings become field descriptions: the Prefect UI shows them beside each field.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class RunConfig(Section):
@@ -275,11 +277,33 @@ def _format_validation_error(error: ValidationError) -> str:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`actor.optim.lr=1e-4` -> (["actor", "optim", "lr"], 1e-4); values are parsed as YAML."""
+    """`trainer.total_steps=10` -> (["trainer", "total_steps"], 10).
+
+    Values are parsed as YAML (lists, numbers, booleans), except for text fields, which keep the
+    text as typed (`run.name=2024` stays "2024"); pydantic converts the rest (`lr=1e-4`).
+    """
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key.path=value, e.g. trainer.total_steps=10")
     key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"override {text!r}: the key has an empty part; expected key.path=value")
+    if _is_text_field(path):
+        return path, raw
+    try:
+        return path, yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return path, raw
+
+
+def _is_text_field(path: list[str]) -> bool:
+    model: Any = Config
+    for part in path:
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            return False
+        model = fields[part].annotation
+    return model in (str, str | None)
 
 
 def _set_path(tree: dict, path: list[str], value: Any) -> None:
@@ -293,7 +317,7 @@ def _set_path(tree: dict, path: list[str], value: Any) -> None:
 
 def build_config(data: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Validate a nested dict plus `key=value` overrides into a Config, or raise ConfigError."""
-    tree: dict = dict(data or {})
+    tree: dict = copy.deepcopy(data or {})
     for override in overrides:
         _set_path(tree, *parse_override(override))
     try:
@@ -308,13 +332,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
+            problem = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
+            raise ConfigError(f"config file {str(path)!r} {problem}")
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as error:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from None
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(error, "problem", None) or type(error).__name__
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {problem}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+        # A section left empty (only comments under it) means "all defaults".
+        data = {section: {} if values is None else values for section, values in data.items()}
     return build_config(data, overrides)
 
 
