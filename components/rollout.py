@@ -2,14 +2,14 @@
 
 The log-probs are those of the distribution actually sampled from (after temperature, top-k and
 top-p), so they can be compared with the actor's recomputation at the same temperature.
-The transformers engine is here; the vLLM engine implements the same `RolloutEngine` protocol.
+The transformers engine is here; other engines implement `components.protocols.RolloutRole`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
@@ -38,12 +38,6 @@ class Generation:
     finish_reason: str  # "stop" (end-of-sequence emitted) or "length"
     text: str = ""
     extra: dict = field(default_factory=dict)
-
-
-class RolloutEngine(Protocol):
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]: ...
-
-    def load_weights(self, path: str) -> None: ...
 
 
 class HFRolloutEngine:
