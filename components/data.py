@@ -16,6 +16,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from storage.schema import is_message_list
+
 DEFAULT_DATA_SOURCE = "unknown"
 OVERLONG_POLICIES = ("filter", "error")
 # Columns of the normalized table returned by `read_prompt_table`.
@@ -50,16 +52,6 @@ def _open_parquet(path: str, field: str) -> pa.Table:
         raise ValueError(f"{field}: file {path!r} is not a readable Parquet file ({error})") from error
 
 
-def _is_message_list(data_type: pa.DataType) -> bool:
-    if not (pa.types.is_list(data_type) or pa.types.is_large_list(data_type)):
-        return False
-    value_type = data_type.value_type
-    if not pa.types.is_struct(value_type):
-        return False
-    names = {value_type.field(i).name for i in range(value_type.num_fields)}
-    return {"role", "content"} <= names
-
-
 def _normalize_table(table: pa.Table, path: str, field: str) -> pa.Table:
     """Map one file's verl columns onto NORMALIZED_COLUMNS, validating types on the way."""
     columns = set(table.column_names)
@@ -71,7 +63,7 @@ def _normalize_table(table: pa.Table, path: str, field: str) -> pa.Table:
             )
     prompt_type = table.schema.field("prompt").type
     plain_string = pa.types.is_string(prompt_type) or pa.types.is_large_string(prompt_type)
-    if not plain_string and not _is_message_list(prompt_type):
+    if not plain_string and not is_message_list(prompt_type):
         raise ValueError(
             f"{field}: file {path!r} column 'prompt' has type {prompt_type}; "
             "expected a string or a list of {role, content} structs"

@@ -165,7 +165,7 @@ def _is_string(arrow_type: pa.DataType) -> bool:
     return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
 
 
-def _is_message_list(arrow_type: pa.DataType) -> bool:
+def is_message_list(arrow_type: pa.DataType) -> bool:
     if not (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)):
         return False
     item = arrow_type.value_type
@@ -196,7 +196,7 @@ def validate_prompts_table(table: pa.Table, source: str) -> None:
                 f"(expected {PROMPT_COLUMNS[required].expected}); found {sorted(names)}"
             )
     checks = {
-        "prompt": _is_message_list,
+        "prompt": is_message_list,
         "reward_model": _has_string_ground_truth,
         "data_source": _is_string,
         "ability": _is_string,
