@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import logging
 import os
 import sys
 from pathlib import Path
@@ -43,17 +42,9 @@ def _ensure_quickstart_inputs(config) -> None:
 
 
 def run_training(config) -> dict:
-    """Run the training flow against PREFECT_API_URL, or a local Prefect server started for it."""
-    from flows.launcher import prefect_server, using_prefect_api
+    from flows.run import run_training as run
 
-    # One progress line per step on the terminal; task-run states stay visible in the Prefect UI.
-    logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
-    with prefect_server() as api_url, using_prefect_api(api_url):
-        from flows.train import train
-
-        state = train(config, return_state=True)
-        flow_run_id = state.state_details.flow_run_id
-        summary = state.result(raise_on_failure=True)
+    summary, flow_run_id = run(config)
     _print_where_to_look(config, summary, flow_run_id)
     return summary
 
@@ -92,6 +83,20 @@ def cmd_train(args) -> int:
     from flows.config import load_config
 
     run_training(load_config(args.config, args.overrides))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from flows.config import load_config
+
+    run_training(load_config(args.config, ["trainer.execution=workers", *args.overrides]))
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from flows.worker import serve_role
+
+    serve_role(args.role, args.devices, args.heartbeat_dir)
     return 0
 
 
@@ -141,6 +146,29 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config file (sections as in `rlhf config show`)")
     train.add_argument("overrides", nargs="*", help=overrides_help)
     train.set_defaults(handler=cmd_train)
+
+    run = commands.add_parser("run", help="train with one worker per role, placed on GPUs as configured",
+                              description="Validate the placement, start a local Prefect server (unless PREFECT_API_URL "
+                                          "is set), one worker per role pinned to its devices, run the flow, stop "
+                                          "everything on exit.\n\nexample: rlhf run configs/quickstart.yaml "
+                                          "placement.roles.actor=[1] placement.roles.rollout=[0]",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("config", help="YAML config file")
+    run.add_argument("overrides", nargs="*", help=overrides_help)
+    run.set_defaults(handler=cmd_run)
+
+    worker = commands.add_parser("worker", help="serve one role's stages (a long-lived Prefect task worker)",
+                                 description="example: PREFECT_API_URL=http://head:4200/api RLHF_WORKER_DIR=/shared/workers "
+                                             "rlhf worker --role actor --devices 0,1")
+    worker.add_argument("--role", required=True, choices=["rollout", "actor", "critic", "reference", "reward"])
+    worker.add_argument("--devices", default="cpu", help="cpu, or GPU indices relative to CUDA_VISIBLE_DEVICES: 0,1")
+    worker.add_argument("--heartbeat-dir", default=None,
+                        help="folder (local or fsspec URI) the driver reads liveness from; default $RLHF_WORKER_DIR")
+    worker.set_defaults(handler=cmd_worker)
+
+    from flows.compare import add_compare_parser
+
+    add_compare_parser(commands)
 
     config = commands.add_parser("config", help="inspect configurations",
                                  description="example: rlhf config show configs/quickstart.yaml trainer.total_steps=5")

@@ -199,6 +199,13 @@ class TrainerConfig(Section):
     """Seconds a stage may run before the flow fails it."""
     stage_retries: int = Field(0, ge=0)
     """Times a failed stage is retried."""
+    execution: Literal["local", "workers"] = "local"
+    """local: every stage runs in the flow's process; workers: each role's stages run in that role's
+    long-lived worker (`rlhf worker`, started for you by `rlhf run`)."""
+    worker_timeout_s: float = Field(15.0, gt=0)
+    """A worker whose heartbeat is older than this is considered dead and its stage is resubmitted."""
+    worker_wait_s: float = Field(300.0, gt=0)
+    """How long a stage may wait for a live worker of its role before the run fails."""
 
 
 class TrackingConfig(Section):

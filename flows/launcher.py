@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -78,16 +79,20 @@ def prefect_server(prefect_home: Path = DEFAULT_PREFECT_HOME, port: int | None =
 
 
 @contextlib.contextmanager
-def using_prefect_api(api_url: str, prefect_home: Path = DEFAULT_PREFECT_HOME) -> Iterator[None]:
+def using_prefect_api(api_url: str, prefect_home: Path = DEFAULT_PREFECT_HOME,
+                      local_storage_path: str | None = None) -> Iterator[None]:
     """Point this process's Prefect client at `api_url` (settings are read once at import)."""
     from prefect.settings import (
         PREFECT_API_URL,
         PREFECT_HOME,
+        PREFECT_LOCAL_STORAGE_PATH,
         PREFECT_SERVER_ANALYTICS_ENABLED,
         temporary_settings,
     )
 
     updates = {PREFECT_API_URL: api_url, PREFECT_SERVER_ANALYTICS_ENABLED: False}
+    if local_storage_path:
+        updates[PREFECT_LOCAL_STORAGE_PATH] = local_storage_path
     if not os.environ.get("PREFECT_HOME"):
         prefect_home.mkdir(parents=True, exist_ok=True)
         updates[PREFECT_HOME] = str(prefect_home.resolve())
@@ -106,3 +111,95 @@ def _drain_logs() -> None:
         APILogWorker.drain_all(timeout=10)
     except Exception:  # logs are best effort; the run's outcome is decided elsewhere
         pass
+
+
+class WorkerPool:
+    """One worker process per role, pinned to its devices, restarted when it dies; stopped on exit.
+
+    `assignments` maps role -> "cpu" or GPU indices relative to this process's CUDA_VISIBLE_DEVICES.
+    Workers get their own process group, so stopping the pool (or Ctrl-C) leaves no orphans.
+    """
+
+    def __init__(self, assignments: dict[str, object], env: dict[str, str], log_dir: Path, max_restarts: int = 5):
+        self.assignments = assignments
+        self.env = env
+        self.log_dir = log_dir
+        self.max_restarts = max_restarts
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {role: 0 for role in assignments}
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+
+    @staticmethod
+    def devices_argument(assignment) -> str:
+        return "cpu" if assignment == "cpu" else ",".join(str(index) for index in assignment)
+
+    def _start(self, role: str) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"worker-{role}.log", "ab")
+        command = [sys.executable, "-m", "flows.cli", "worker", "--role", role,
+                   "--devices", self.devices_argument(self.assignments[role])]
+        self.processes[role] = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True)
+        log.close()
+
+    def start(self) -> None:
+        for role in self.assignments:
+            self._start(role)
+        self._supervisor = threading.Thread(target=self._supervise, name="rlhf-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.5):
+            for role, process in list(self.processes.items()):
+                if process.poll() is None or self._stopping.is_set():
+                    continue
+                if self.restarts[role] >= self.max_restarts:
+                    print(f"worker {role} exited with code {process.returncode}; restart limit "
+                          f"({self.max_restarts}) reached", file=sys.stderr)
+                    continue
+                self.restarts[role] += 1
+                print(f"worker {role} (pid {process.pid}) exited with code {process.returncode}; "
+                      f"restarting ({self.restarts[role]}/{self.max_restarts})", file=sys.stderr)
+                self._start(role)
+
+    def wait_until_ready(self, heartbeat_directory: str, timeout_s: float = 300.0) -> None:
+        """Return once every role has a heartbeat from its current process."""
+        from flows.worker import read_heartbeats
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready = {beat["role"] for beat in read_heartbeats(heartbeat_directory)
+                     if beat.get("pid") == getattr(self.processes.get(beat.get("role")), "pid", None)}
+            if ready >= set(self.assignments):
+                return
+            for role, process in self.processes.items():
+                if process.poll() is not None and self.restarts[role] >= self.max_restarts:
+                    raise RuntimeError(f"worker {role} keeps exiting; see {self.log_dir}/worker-{role}.log")
+            time.sleep(0.3)
+        raise RuntimeError(f"workers did not start within {timeout_s:.0f} s; see {self.log_dir}/worker-*.log")
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for process in self.processes.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def worker_environment(api_url: str, storage_root: str, heartbeat_directory: str,
+                       prefect_home: Path = DEFAULT_PREFECT_HOME) -> dict[str, str]:
+    """What every process of a run shares: the Prefect API, result storage and the heartbeat folder."""
+    env = server_environment(prefect_home)
+    env.update(PREFECT_API_URL=api_url, RLHF_WORKER_DIR=heartbeat_directory,
+               # Task parameters and results travel through this folder: it must be shared by the
+               # driver and every worker (a shared mount when workers run on other hosts).
+               PREFECT_LOCAL_STORAGE_PATH=env.get("PREFECT_LOCAL_STORAGE_PATH")
+               or str(Path(storage_root, ".prefect-results").resolve()))
+    return env

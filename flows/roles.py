@@ -111,6 +111,10 @@ def get_role(config: Config, name: str) -> Any:
         with _LOCK:
             if key in _ROLES:
                 return _ROLES[key]
+        with _LOCK:
+            # A long-lived worker serves one run at a time: free the models of earlier runs first.
+            for stale in [other for other in _ROLES if other[0] != key[0]]:
+                del _ROLES[stale]
         instance = BUILDERS[name](config)
         with _LOCK:
             _ROLES[key] = instance

@@ -18,6 +18,7 @@ Tasks are thin wrappers of `flows.stages` functions and pass only storage paths 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -27,26 +28,39 @@ from prefect.cache_policies import NO_CACHE
 from components.algorithms import make_kl_controller
 from flows import stages
 from flows.config import Config, ConfigError
+from flows.dispatch import RemoteStage
 from flows.roles import layout_for, release_run
 from flows.tracking import Tracker
+from flows.worker import STAGE_ROLE
 
 
 def _stage_task(function, name: str):
+    """The Prefect task of one stage; in a worker process it also marks the run in the heartbeat."""
+
+    @functools.wraps(function)
+    def run_stage(*args, **kwargs):
+        from flows import worker
+
+        if worker.CURRENT is None:
+            return function(*args, **kwargs)
+        from prefect.runtime import task_run
+
+        step = kwargs.get("step", args[1] if len(args) > 1 else None)
+        with worker.CURRENT.running(str(task_run.id), name, step):
+            return function(*args, **kwargs)
+
     # No tags: a tagged task asks the server for tag concurrency slots on every run, which cost
     # about 2 s per stage here even with no limits defined.
-    return task(function, name=name, cache_policy=NO_CACHE)
+    return task(run_stage, name=name, cache_policy=NO_CACHE)
 
 
-rollout_task = _stage_task(stages.rollout, "rollout")
-reward_task = _stage_task(stages.reward, "reward")
-reference_task = _stage_task(stages.reference, "reference")
-values_task = _stage_task(stages.values, "values")
-old_logprobs_task = _stage_task(stages.old_logprobs, "old_logprobs")
-advantages_task = _stage_task(stages.advantages, "advantages")
-update_actor_task = _stage_task(stages.update_actor, "update_actor")
-update_critic_task = _stage_task(stages.update_critic, "update_critic")
-validate_task = _stage_task(stages.validate, "validate")
-warm_start_task = _stage_task(stages.warm_start, "warm_start")
+STAGE_TASKS = {name: _stage_task(getattr(stages, name), name) for name in (
+    "rollout", "reward", "reference", "values", "old_logprobs", "advantages", "update_actor", "update_critic",
+    "validate", "warm_start")}
+rollout_task, reward_task, reference_task, values_task, old_logprobs_task = (
+    STAGE_TASKS[name] for name in ("rollout", "reward", "reference", "values", "old_logprobs"))
+advantages_task, update_actor_task, update_critic_task, validate_task, warm_start_task = (
+    STAGE_TASKS[name] for name in ("advantages", "update_actor", "update_critic", "validate", "warm_start"))
 
 
 @dataclass
@@ -59,16 +73,23 @@ class RunState:
     history: list[dict[str, float]] = field(default_factory=list)
 
     def run(self, stage_task, *args) -> dict[str, float]:
-        """Run one stage with the configured retries, wait at most the stage timeout; return its metrics."""
+        """Run one stage and wait for it; return its metrics."""
         return self.wait(self.submit(stage_task, *args))
 
     def submit(self, stage_task, *args):
-        configured = stage_task.with_options(retries=self.config.trainer.stage_retries)
-        return configured.submit(self.config, *args)
+        """Start a stage: on its role's worker (execution=workers) or on a thread of this process."""
+        trainer = self.config.trainer
+        stage = stage_task.name
+        if trainer.execution == "workers" and stage in STAGE_ROLE:
+            return RemoteStage(stage_task, stage, (self.config, *args), worker_timeout_s=trainer.worker_timeout_s,
+                               worker_wait_s=trainer.worker_wait_s, stage_timeout_s=trainer.stage_timeout_s)
+        return stage_task.with_options(retries=trainer.stage_retries).submit(self.config, *args)
 
-    def wait(self, future) -> dict[str, float]:
-        # The timeout bounds the driver's wait: a thread or worker running the stage cannot be interrupted.
-        return future.result(timeout=self.config.trainer.stage_timeout_s)["metrics"]
+    def wait(self, handle) -> dict[str, float]:
+        if isinstance(handle, RemoteStage):
+            return handle.result()["metrics"]
+        # The timeout bounds the driver's wait: a thread running the stage cannot be interrupted.
+        return handle.result(timeout=self.config.trainer.stage_timeout_s)["metrics"]
 
 
 def start_run(config: Config) -> RunState:

@@ -1,0 +1,77 @@
+"""Running a training: the flow in this process, or the embedded launcher with one worker per role.
+
+`run_training` is what `rlhf train` / `rlhf quickstart` / `rlhf run` call. With
+trainer.execution=workers it validates the placement before anything loads, starts one worker per
+role pinned to its devices, supervises them, runs the flow, and stops everything on exit or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Iterator
+
+from flows.config import Config
+from flows.launcher import WorkerPool, worker_environment
+
+
+def roles_in_use(config: Config) -> list[str]:
+    roles = ["rollout", "actor", "reward"]
+    if config.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
+        roles.append("reference")
+    if config.uses_critic:
+        roles.append("critic")
+    return roles
+
+
+def plan_placement(config: Config) -> dict[str, object]:
+    """Role -> "cpu" or GPU indices, validated against this machine; raises ValueError listing problems."""
+    from components.devices import inventory_from_system
+    from components.placement import role_requirements_for_config, validate_placement
+
+    inventory = inventory_from_system()
+    report = validate_placement(config.placement, inventory, role_requirements_for_config(config, inventory),
+                                env=os.environ, roles_in_use=roles_in_use(config))
+    for warning in report.warnings:
+        print(f"warning: {warning}")
+    report.raise_if_failed()
+    return {role: report.assignments[role] for role in roles_in_use(config)}
+
+
+@contextlib.contextmanager
+def worker_pool(config: Config, api_url: str) -> Iterator["WorkerPool"]:
+    """Start and supervise one worker per role for this run; stop them all on exit."""
+    assignments = plan_placement(config)
+    heartbeat_directory = str(Path(config.run.storage_root, ".workers", config.run.name).resolve())
+    env = worker_environment(api_url, config.run.storage_root, heartbeat_directory)
+    os.environ["RLHF_WORKER_DIR"] = heartbeat_directory
+    pool = WorkerPool(assignments, env, log_dir=Path(".rlhf/logs", config.run.name))
+    print("workers: " + ", ".join(f"{role} on {WorkerPool.devices_argument(devices)}"
+                                  for role, devices in assignments.items()))
+    pool.start()
+    try:
+        pool.wait_until_ready(heartbeat_directory)
+        yield pool
+    finally:
+        pool.stop()
+
+
+def run_training(config: Config) -> tuple[dict, str]:
+    """Run the flow against PREFECT_API_URL or a local server; returns (summary, flow run id)."""
+    from flows.launcher import prefect_server, using_prefect_api, worker_environment
+
+    # One progress line per step on the terminal; task-run states stay visible in the Prefect UI.
+    logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
+    workers = config.trainer.execution == "workers"
+    if workers:
+        plan_placement(config)  # fail on a bad placement before any server or model starts
+    with prefect_server() as api_url:
+        storage = worker_environment(api_url, config.run.storage_root, "")["PREFECT_LOCAL_STORAGE_PATH"]
+        with using_prefect_api(api_url, local_storage_path=storage if workers else None), \
+                (worker_pool(config, api_url) if workers else contextlib.nullcontext()):
+            from flows.train import train
+
+            state = train(config, return_state=True)
+            return state.result(raise_on_failure=True), str(state.state_details.flow_run_id)

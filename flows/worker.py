@@ -1,0 +1,160 @@
+"""A role's long-lived worker: a Prefect task worker pinned to its devices.
+
+    rlhf worker --role actor --devices 0,1      # GPU indices relative to CUDA_VISIBLE_DEVICES
+    rlhf worker --role reward --devices cpu
+
+CUDA_VISIBLE_DEVICES is set before anything imports torch, so the worker sees only its GPUs. Models
+load on first use and stay resident (flows.roles) across steps. The worker writes a heartbeat file
+(`<heartbeat dir>/<role>-<host>-<pid>.json`) every second: which task runs it holds, which stages it
+finished and how many times it loaded each model. The driver reads these files to tell a slow stage
+from a dead worker; the directory may be on shared storage (any fsspec URI) for workers on other hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from typing import Iterator
+
+DEFAULT_HEARTBEAT_DIR = ".rlhf/workers"
+HEARTBEAT_INTERVAL_S = 1.0
+
+ROLE_STAGES: dict[str, tuple[str, ...]] = {
+    "rollout": ("rollout", "validate"),
+    "actor": ("old_logprobs", "update_actor", "warm_start"),
+    "reference": ("reference",),
+    "critic": ("values", "update_critic"),
+    "reward": ("reward",),
+}
+"""Which stages each role's worker serves; `advantages` is driver math and runs in the flow."""
+
+STAGE_ROLE = {stage: role for role, stages in ROLE_STAGES.items() for stage in stages}
+
+
+def heartbeat_dir() -> str:
+    return os.environ.get("RLHF_WORKER_DIR", DEFAULT_HEARTBEAT_DIR)
+
+
+class Heartbeat:
+    """What this worker process is doing, written atomically to its heartbeat file every second."""
+
+    def __init__(self, role: str, devices: str, directory: str):
+        import fsspec
+
+        self.fs, root = fsspec.core.url_to_fs(directory)
+        self.fs.makedirs(root, exist_ok=True)
+        self.path = f"{root.rstrip('/')}/{role}-{socket.gethostname()}-{os.getpid()}.json"
+        self.state = {"role": role, "host": socket.gethostname(), "pid": os.getpid(), "devices": devices,
+                      "started": time.time(), "running": [], "finished": [], "load_counts": {}}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def write(self) -> None:
+        from flows.roles import LOAD_COUNTS
+
+        with self._lock:
+            self.state["beat"] = time.time()
+            self.state["load_counts"] = dict(LOAD_COUNTS)
+            payload = json.dumps(self.state)
+        temporary = f"{self.path}.tmp"
+        with self.fs.open(temporary, "w") as handle:
+            handle.write(payload)
+        self.fs.mv(temporary, self.path)
+
+    def start(self) -> None:
+        def loop() -> None:
+            while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+                try:
+                    self.write()
+                except OSError:  # a storage hiccup must not kill the worker; the next beat retries
+                    pass
+
+        self.write()
+        threading.Thread(target=loop, name="rlhf-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.fs.rm(self.path)
+        except OSError:
+            pass
+
+    def running(self, task_run_id: str, stage: str, step) -> "_Running":
+        return _Running(self, task_run_id, stage, step)
+
+
+class _Running:
+    def __init__(self, heartbeat: Heartbeat, task_run_id: str, stage: str, step):
+        self.heartbeat, self.task_run_id, self.stage, self.step = heartbeat, task_run_id, stage, step
+
+    def __enter__(self):
+        with self.heartbeat._lock:
+            self.heartbeat.state["running"].append(self.task_run_id)
+        self.heartbeat.write()
+
+    def __exit__(self, *exc):
+        with self.heartbeat._lock:
+            self.heartbeat.state["running"].remove(self.task_run_id)
+            if exc[0] is None:
+                self.heartbeat.state["finished"].append([self.stage, self.step])
+        self.heartbeat.write()
+
+
+CURRENT: Heartbeat | None = None
+"""The heartbeat of this process when it is a worker (None in the driver)."""
+
+
+def read_heartbeats(directory: str | None = None) -> Iterator[dict]:
+    """Every worker heartbeat in the directory (unreadable or half-written files are skipped)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(directory or heartbeat_dir())
+    if not fs.exists(root):
+        return
+    for path in fs.glob(f"{root.rstrip('/')}/*.json"):
+        try:
+            with fs.open(path) as handle:
+                yield json.load(handle)
+        except (OSError, ValueError):
+            continue
+
+
+def pin_devices(devices: str) -> str:
+    """Set CUDA_VISIBLE_DEVICES for `devices` ("cpu" or indices relative to the current visible set)."""
+    if devices == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        return ""
+    indices = [int(part) for part in devices.split(",") if part.strip()]
+    current = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [part.strip() for part in current.split(",")] if current else None
+    if visible is not None:
+        if any(index < 0 or index >= len(visible) for index in indices):
+            raise ValueError(f"--devices {devices}: CUDA_VISIBLE_DEVICES={current} makes {len(visible)} GPUs "
+                             f"visible; use indices 0-{len(visible) - 1} or cpu")
+        physical = [visible[index] for index in indices]
+    else:
+        physical = [str(index) for index in indices]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical)
+    return os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+def serve_role(role: str, devices: str, directory: str | None = None) -> None:
+    """Pin devices, start the heartbeat, and serve this role's stage tasks until stopped."""
+    global CURRENT
+    if role not in ROLE_STAGES:
+        raise ValueError(f"--role {role!r} is not one of: {', '.join(ROLE_STAGES)}")
+    visible = pin_devices(devices)  # before torch is imported anywhere in this process
+    from prefect.task_worker import serve
+
+    from flows.train import STAGE_TASKS
+
+    CURRENT = Heartbeat(role, visible if devices != "cpu" else "cpu", directory or heartbeat_dir())
+    CURRENT.start()
+    try:
+        # One stage at a time: a role's model is not safe to use from two stages at once.
+        serve(*[STAGE_TASKS[stage] for stage in ROLE_STAGES[role]], limit=1)
+    finally:
+        CURRENT.stop()
