@@ -37,6 +37,8 @@ class TinyModelSpec:
     num_key_value_heads: int = 2
     intermediate_size: int = 512
     max_position_embeddings: int = 512
+    vocab_size: int | None = None
+    """Embedding rows; None: the tokenizer's size. Larger pads the embedding like real models do."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -45,11 +47,23 @@ class TinyModelSpec:
                 f"tiny.hidden_size={self.hidden_size} must be a multiple of "
                 f"num_attention_heads={self.num_attention_heads}"
             )
-        if self.hidden_size // self.num_attention_heads != 64:
+        if self.hidden_size // self.num_attention_heads not in (64, 128):
             raise ValueError(
                 f"tiny.hidden_size/num_attention_heads={self.hidden_size // self.num_attention_heads}"
-                " must be 64 (vLLM's CPU backend rejects other small head sizes)"
+                " must be 64 or 128 (vLLM's CPU backend rejects small head sizes such as 16)"
             )
+
+
+PRESETS: dict[str, TinyModelSpec] = {
+    "tiny": TinyModelSpec(),
+    # The shapes of Qwen2.5-0.5B and -1.5B (random weights, byte-level tokenizer), for GPU work.
+    "qwen2.5-0.5b": TinyModelSpec(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                  num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=32768,
+                                  vocab_size=151936),
+    "qwen2.5-1.5b": TinyModelSpec(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                                  num_key_value_heads=2, intermediate_size=8960, max_position_embeddings=32768,
+                                  vocab_size=151936),
+}
 
 
 def build_tokenizer():
@@ -76,8 +90,10 @@ def build_tiny_model(output_dir: str | Path, spec: TinyModelSpec | None = None) 
 
     spec = spec or TinyModelSpec()
     tokenizer = build_tokenizer()
+    if spec.vocab_size is not None and spec.vocab_size < len(tokenizer):
+        raise ValueError(f"tiny.vocab_size={spec.vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=spec.vocab_size or len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,

@@ -112,9 +112,9 @@ def cmd_config_show(args) -> int:
 
 
 def cmd_make_tiny_model(args) -> int:
-    from components.tiny import build_tiny_model
+    from components.tiny import PRESETS, build_tiny_model
 
-    print(build_tiny_model(args.output_dir))
+    print(build_tiny_model(args.output_dir, PRESETS[args.preset]))
     return 0
 
 
@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = commands.add_parser("make-tiny-model", help="write a random tiny Qwen2 model and tokenizer",
                                description="example: rlhf make-tiny-model .rlhf/models/tiny-qwen2")
     tiny.add_argument("output_dir")
+    tiny.add_argument("--preset", default="tiny", choices=["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"],
+                      help="model shape: tiny (CPU tests) or the shape of a Qwen2.5 model (GPU work)")
     tiny.set_defaults(handler=cmd_make_tiny_model)
 
     data = commands.add_parser("make-data", help="write a synthetic task in verl's Parquet format",

@@ -86,7 +86,7 @@ def test_saved_model_config(model_path):
     recorded = ast.literal_eval((model_path / "tiny_spec.txt").read_text())
     assert recorded == {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 1,
                         "num_key_value_heads": 1, "intermediate_size": 128, "max_position_embeddings": 512,
-                        "seed": 0}
+                        "vocab_size": None, "seed": 0}
 
 
 def test_seed_controls_weights(tmp_path, model_path):
@@ -105,8 +105,16 @@ def test_default_spec_is_valid():
     assert spec.hidden_size // spec.num_attention_heads == 64
 
 
+def test_presets_have_the_qwen_shapes():
+    from components.tiny import PRESETS
+
+    half_billion = PRESETS["qwen2.5-0.5b"]
+    assert (half_billion.hidden_size, half_billion.num_hidden_layers, half_billion.vocab_size) == (896, 24, 151936)
+    assert PRESETS["qwen2.5-1.5b"].hidden_size // PRESETS["qwen2.5-1.5b"].num_attention_heads == 128
+
+
 @pytest.mark.parametrize(("hidden", "heads", "match"), [
-    (128, 1, "must be 64"), (64, 2, "must be 64"), (256, 2, "must be 64"), (100, 3, "multiple of"),
+    (96, 1, "must be 64 or 128"), (64, 2, "must be 64 or 128"), (512, 2, "must be 64 or 128"), (100, 3, "multiple of"),
 ])
 def test_spec_head_size_validation(hidden, heads, match):
     with pytest.raises(ValueError, match=match) as error:
