@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from components.placement import PlacementConfig
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -229,6 +231,7 @@ class Config(Section):
     warm_start: WarmStartConfig = WarmStartConfig()
     trainer: TrainerConfig = TrainerConfig()
     tracking: TrackingConfig = TrackingConfig()
+    placement: PlacementConfig = PlacementConfig()
 
     @model_validator(mode="after")
     def _check_registries(self) -> "Config":

@@ -26,14 +26,36 @@ def roles_in_use(config: Config) -> list[str]:
     return roles
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def role_requirements_for_config(config: Config, visible_gpus: int) -> dict[str, int]:
+    """Bytes each role needs per GPU, from parameter counts read off the model configs (no weights)."""
+    from components.models import check_model_source
+    from components.placement import count_parameters, resolve_assignments, role_requirements
+
+    check_model_source(config.model.path)
+    policy = count_parameters(config.model.path, config.model.trust_remote_code)
+    counts = {role: policy for role in roles_in_use(config) if role != "reward"}
+    if "critic" in counts and config.critic.model_path:
+        counts["critic"] = count_parameters(config.critic.model_path, config.model.trust_remote_code)
+    if config.reward.kind == "model":
+        from transformers import AutoModelForSequenceClassification
+
+        counts["reward"] = count_parameters(config.reward.model_path, auto_class=AutoModelForSequenceClassification)
+    assignments = resolve_assignments(config.placement, visible_gpus, roles_in_use(config))
+    return role_requirements(counts, DTYPE_BYTES[config.model.dtype], assignments)
+
+
 def plan_placement(config: Config) -> dict[str, object]:
     """Role -> "cpu" or GPU indices, validated against this machine; raises ValueError listing problems."""
     from components.devices import inventory_from_system
-    from components.placement import role_requirements_for_config, validate_placement
+    from components.placement import validate_placement
 
     inventory = inventory_from_system()
-    report = validate_placement(config.placement, inventory, role_requirements_for_config(config, inventory),
-                                env=os.environ, roles_in_use=roles_in_use(config))
+    requirements = role_requirements_for_config(config, len(inventory.gpus))
+    report = validate_placement(config.placement, inventory, requirements, env=os.environ,
+                                roles_in_use=roles_in_use(config))
     for warning in report.warnings:
         print(f"warning: {warning}")
     report.raise_if_failed()

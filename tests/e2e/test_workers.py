@@ -1,0 +1,98 @@
+"""The flow with one worker process per role (CPU): each stage runs in its role's worker, each worker
+loads its model once, and a worker killed in the middle of a stage is replaced without losing samples."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.config import build_config
+from flows.run import worker_pool
+from flows.worker import ROLE_STAGES, read_heartbeats
+from storage import RunLayout, read_stage
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS, SAMPLES = 4, 4
+
+
+def _config(tmp_path, tiny_inputs, name, **sections):
+    data = {
+        "run": {"name": name, "storage_root": str(tmp_path / "runs")},
+        "model": {"path": tiny_inputs["model"]},
+        "data": {"train_files": [tiny_inputs["train"]], "val_files": [tiny_inputs["validation"]],
+                 "max_prompt_length": 16, "prompts_per_step": PROMPTS},
+        "rollout": {"n": SAMPLES, "max_new_tokens": 4},
+        "actor": {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "use_kl_loss": True},
+        "placement": {"default": "cpu"},
+        "trainer": {"total_steps": 2, "val_every": 1, "device": "cpu", "execution": "workers",
+                    "worker_timeout_s": 4},
+        "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "workers"},
+    }
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return build_config(data)
+
+
+def _train_with_workers(config, prefect_api, during=None):
+    from flows.launcher import using_prefect_api, worker_environment
+    from flows.train import train
+
+    storage = worker_environment(prefect_api, config.run.storage_root, "")["PREFECT_LOCAL_STORAGE_PATH"]
+    with using_prefect_api(prefect_api, local_storage_path=storage), worker_pool(config, prefect_api) as pool:
+        watcher = threading.Thread(target=during, args=(pool,), daemon=True) if during else None
+        if watcher:
+            watcher.start()
+        state = train(config, return_state=True)
+        beats = list(read_heartbeats(os.environ["RLHF_WORKER_DIR"]))
+        return state, beats, pool
+
+
+def test_each_stage_runs_in_its_role_worker_which_loads_its_model_once(prefect_api, tmp_path, tiny_inputs):
+    config = _config(tmp_path, tiny_inputs, "workers")
+    state, beats, pool = _train_with_workers(config, prefect_api)
+    assert state.is_completed(), state
+    by_role = {beat["role"]: beat for beat in beats}
+    assert set(by_role) == {"rollout", "actor", "reference", "reward"}
+    assert len({beat["pid"] for beat in beats}) == 4 and os.getpid() not in {beat["pid"] for beat in beats}
+    for role, beat in by_role.items():
+        stages = {stage for stage, _ in beat["finished"]}
+        assert stages <= set(ROLE_STAGES[role]), (role, stages)
+        assert beat["load_counts"].get(role) == 1, (role, beat["load_counts"])
+    assert sorted(step for stage, step in by_role["rollout"]["finished"] if stage == "rollout") == [0, 1]
+    assert sorted(step for stage, step in by_role["actor"]["finished"] if stage == "update_actor") == [0, 1]
+    assert all(restarts == 0 for restarts in pool.restarts.values())
+
+
+def test_a_worker_killed_mid_stage_is_replaced_and_no_sample_is_lost(prefect_api, tmp_path, tiny_inputs,
+                                                                       monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    config = _config(tmp_path, tiny_inputs, "killed", reward={"function": "slow_reward:exact_match_slowly"})
+    killed = []
+
+    def kill_reward_worker_during_step_one(pool):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed:
+            for beat in read_heartbeats(os.environ["RLHF_WORKER_DIR"]):
+                finished_rollouts = [step for stage, step in beat.get("finished", []) if stage == "reward"]
+                if beat["role"] == "reward" and beat["running"] and finished_rollouts:
+                    os.kill(beat["pid"], signal.SIGKILL)  # in the middle of the reward stage of step >= 1
+                    killed.append(beat["pid"])
+                    break
+            time.sleep(0.05)
+
+    state, beats, pool = _train_with_workers(config, prefect_api, during=kill_reward_worker_during_step_one)
+    assert killed, "the reward worker was never caught running a stage"
+    assert state.is_completed(), state
+    assert pool.restarts["reward"] == 1
+    layout = RunLayout(config.run.storage_root, "killed")
+    for step in range(2):
+        uids = read_stage(layout, step, "rollout").column("uid").to_pylist()
+        assert len(uids) == PROMPTS * SAMPLES
+        scores = read_stage(layout, step, "reward", expected_rows=len(uids), expected_uids=uids)
+        assert scores.num_rows == PROMPTS * SAMPLES
