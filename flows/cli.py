@@ -167,8 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(handler=cmd_worker)
 
     from flows.compare import add_compare_parser
+    from flows.doctor import add_doctor_parser
 
     add_compare_parser(commands)
+    add_doctor_parser(commands)
 
     config = commands.add_parser("config", help="inspect configurations",
                                  description="example: rlhf config show configs/quickstart.yaml trainer.total_steps=5")

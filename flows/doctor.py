@@ -167,19 +167,6 @@ def inventory_report(inventory: Inventory) -> dict:
             "gpus": gpus, "interconnect": {"matrix": inventory.interconnect, "note": why}}
 
 
-def roles_in_use(config) -> list[str]:
-    """The roles a config runs: the critic only with a critic estimator, the reference only with a
-    KL term, the reward only as a model (rule rewards are plain functions)."""
-    roles = ["rollout", "actor"]
-    if config.uses_critic:
-        roles.append("critic")
-    if config.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
-        roles.append("reference")
-    if config.reward.kind == "model":
-        roles.append("reward")
-    return roles
-
-
 def parameter_counts(config, roles: list[str]) -> tuple[dict[str, int], list[str]]:
     """Parameters per role from the models' configs (no weights read), and what could not be counted."""
     from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
@@ -192,6 +179,8 @@ def parameter_counts(config, roles: list[str]) -> tuple[dict[str, int], list[str
                "reward": (config.reward.model_path, AutoModelForSequenceClassification)}
     counts, problems, cache = {}, [], {}
     for role in roles:
+        if role == "reward" and config.reward.kind != "model":
+            continue  # a rule reward is a plain function: no model, no memory
         path, auto_class = sources[role]
         key = (path, auto_class)
         try:
@@ -205,17 +194,29 @@ def parameter_counts(config, roles: list[str]) -> tuple[dict[str, int], list[str
 
 
 def check_placement(config, inventory: Inventory, env: Mapping[str, str]) -> dict:
-    """The placement verdict for a config: assignments, estimates per GPU, errors and warnings."""
+    """The placement verdict for a config: assignments, estimates per GPU, errors and warnings.
+
+    Only trainer.execution=workers applies the placement; under local execution (every role in one
+    process on trainer.device) its errors are reported as warnings, since nothing would fail.
+    """
+    from flows.run import roles_in_use  # the roles the launcher starts workers for
+
     placement = getattr(config, "placement", None) or PlacementConfig()
     roles = roles_in_use(config)
     counts, notes = parameter_counts(config, roles)
-    assignments = resolve_assignments(placement, len(inventory.gpus), roles)
+    modelless = ("reward",) if config.reward.kind != "model" else ()
+    assignments = resolve_assignments(placement, len(inventory.gpus), roles, modelless)
     requirements = role_requirements(counts, DTYPE_BYTES[config.model.dtype], assignments)
-    verdict = validate_placement(placement, inventory, requirements, env=env, roles_in_use=roles)
-    status = "fail" if verdict.errors else ("warn" if verdict.warnings or notes else "ok")
-    detail = (f"{len(verdict.errors)} error(s), {len(verdict.warnings)} warning(s)" if status != "ok"
-              else "every role fits")
-    return _check(status, detail, roles_in_use=roles, assignments=verdict.assignments, parameters=counts,
+    verdict = validate_placement(placement, inventory, requirements, env=env, roles_in_use=roles,
+                                 modelless_roles=modelless)
+    execution = getattr(config.trainer, "execution", "workers")
+    applies = execution == "workers"
+    status = "fail" if verdict.errors and applies else ("warn" if verdict.errors or verdict.warnings or notes else "ok")
+    detail = f"{len(verdict.errors)} error(s), {len(verdict.warnings)} warning(s)" if status != "ok" else "every role fits"
+    if not applies:
+        detail += f" (trainer.execution={execution}: roles run in one process on trainer.device; " \
+                  "the placement applies with trainer.execution=workers)"
+    return _check(status, detail, applies=applies, roles_in_use=roles, assignments=verdict.assignments, parameters=counts,
                   requirements_gib={role: round(size / GIB, 2) for role, size in requirements.items()},
                   errors=verdict.errors, warnings=verdict.warnings, notes=notes)
 
@@ -227,7 +228,7 @@ def collect_report(config=None, env: Mapping[str, str] | None = None) -> dict:
     storage_root = config.run.storage_root if config is not None else DEFAULT_STORAGE_ROOT
     tracking = config.tracking.tracking_uri if config is not None else DEFAULT_TRACKING_URI
     report = {
-        "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
+        "cuda_visible_devices": inventory.cuda_visible_devices,
         "torch_device_count": inventory.torch_device_count,
         "inventory": inventory_report(inventory),
         "distributed_env": {name: env.get(name) for name in DISTRIBUTED_ENV},
@@ -266,8 +267,8 @@ def _format_gpus(report: dict) -> list[str]:
         return lines + [f"  interconnect          {inventory['interconnect']['note']}"]
     names = [f"GPU{gpu['index']}" for gpu in inventory["gpus"]]
     lines.append("  interconnect (visible indices; NV<n> = n NVLinks, PIX/PXB/PHB/NODE/SYS = PCIe paths)")
-    lines.append("        " + "".join(f"{name:<7}" for name in names))
-    lines += ["  " + f"{name:<6}" + "".join(f"{cell:<7}" for cell in row) for name, row in zip(names, matrix)]
+    lines.append(("        " + "".join(f"{name:<7}" for name in names)).rstrip())
+    lines += [("  " + f"{name:<6}" + "".join(f"{cell:<7}" for cell in row)).rstrip() for name, row in zip(names, matrix)]
     return lines
 
 
@@ -280,7 +281,7 @@ def _format_placement(placement: dict) -> list[str]:
         estimate = placement["requirements_gib"].get(role)
         suffix = f"  (estimate {estimate:.1f} GiB per device)" if estimate is not None else ""
         lines.append(f"        {role:<10} {where}{suffix}")
-    lines += [f"  FAIL  {line}" for line in placement["errors"]]
+    lines += [f"  {'FAIL' if placement['applies'] else 'warn'}  {line}" for line in placement["errors"]]
     lines += [f"  warn  {line}" for line in placement["warnings"] + placement["notes"]]
     return lines
 

@@ -76,8 +76,20 @@ def worker_pool(config: Config, api_url: str) -> Iterator["WorkerPool"]:
     try:
         pool.wait_until_ready(heartbeat_directory)
         yield pool
+        print_worker_summary(heartbeat_directory)
     finally:
         pool.stop()
+
+
+def print_worker_summary(heartbeat_directory: str) -> None:
+    """One line per live worker: where it ran, how often it loaded models, its peak GPU memory."""
+    from flows.worker import read_heartbeats
+
+    for beat in sorted(read_heartbeats(heartbeat_directory), key=lambda beat: beat["role"]):
+        peak = beat.get("cuda_peak_allocated_gib")
+        print(f"worker {beat['role']:<9} pid {beat['pid']} devices {beat['devices'] or 'cpu'} "
+              f"stages run {len(beat['finished'])} model loads {beat['load_counts']}"
+              + (f" peak GPU memory allocated {peak} GiB" if peak else ""))
 
 
 def run_training(config: Config) -> tuple[dict, str]:

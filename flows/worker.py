@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Iterator
@@ -55,9 +56,13 @@ class Heartbeat:
     def write(self) -> None:
         from flows.roles import LOAD_COUNTS
 
+        torch = sys.modules.get("torch")  # only if this worker already uses it: never import it here
         with self._lock:
             self.state["beat"] = time.time()
             self.state["load_counts"] = dict(LOAD_COUNTS)
+            if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+                self.state["cuda_peak_allocated_gib"] = [
+                    round(torch.cuda.max_memory_allocated(index) / 2**30, 2) for index in range(torch.cuda.device_count())]
             payload = json.dumps(self.state)
         temporary = f"{self.path}.tmp"
         with self.fs.open(temporary, "w") as handle:
