@@ -363,7 +363,7 @@ def flatten(config: Config) -> dict[str, Any]:
     flat: dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:
             for key, child in value.items():
                 walk(f"{prefix}.{key}" if prefix else key, child)
         else:

@@ -204,7 +204,9 @@ def check_placement(config, inventory: Inventory, env: Mapping[str, str]) -> dic
     placement = getattr(config, "placement", None) or PlacementConfig()
     roles = roles_in_use(config)
     counts, notes = parameter_counts(config, roles)
-    modelless = ("reward",) if config.reward.kind != "model" else ()
+    from flows.run import modelless_roles
+
+    modelless = modelless_roles(config)
     assignments = resolve_assignments(placement, len(inventory.gpus), roles, modelless)
     requirements = role_requirements(counts, DTYPE_BYTES[config.model.dtype], assignments)
     verdict = validate_placement(placement, inventory, requirements, env=env, roles_in_use=roles,

@@ -26,6 +26,11 @@ def roles_in_use(config: Config) -> list[str]:
     return roles
 
 
+def modelless_roles(config: Config) -> tuple[str, ...]:
+    """Roles that load no model (a rule reward) run on the CPU unless placed explicitly."""
+    return ("reward",) if config.reward.kind == "rule" else ()
+
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -43,7 +48,8 @@ def role_requirements_for_config(config: Config, visible_gpus: int) -> dict[str,
         from transformers import AutoModelForSequenceClassification
 
         counts["reward"] = count_parameters(config.reward.model_path, auto_class=AutoModelForSequenceClassification)
-    assignments = resolve_assignments(config.placement, visible_gpus, roles_in_use(config))
+    assignments = resolve_assignments(config.placement, visible_gpus, roles_in_use(config),
+                                      modelless_roles=modelless_roles(config))
     return role_requirements(counts, DTYPE_BYTES[config.model.dtype], assignments)
 
 
@@ -55,7 +61,7 @@ def plan_placement(config: Config) -> dict[str, object]:
     inventory = inventory_from_system()
     requirements = role_requirements_for_config(config, len(inventory.gpus))
     report = validate_placement(config.placement, inventory, requirements, env=os.environ,
-                                roles_in_use=roles_in_use(config))
+                                roles_in_use=roles_in_use(config), modelless_roles=modelless_roles(config))
     for warning in report.warnings:
         print(f"warning: {warning}")
     report.raise_if_failed()

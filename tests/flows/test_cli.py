@@ -83,7 +83,7 @@ def test_config_show_with_override():
     assert shown["critic"]["optim"]["lr"] == 1e-5
     assert shown["data"]["max_val_prompts"] is None
     assert list(shown) == ["run", "model", "data", "rollout", "actor", "critic", "reward", "algorithm",
-                           "warm_start", "trainer", "tracking"]
+                           "warm_start", "trainer", "tracking", "placement"]
 
 
 def test_config_show_output_round_trips(tmp_path):
