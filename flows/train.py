@@ -27,6 +27,7 @@ from prefect.cache_policies import NO_CACHE
 
 from components.algorithms import make_kl_controller
 from flows import stages
+from flows.artifacts import PrefectArtifacts
 from flows.config import Config, ConfigError
 from flows.dispatch import RemoteStage
 from flows.roles import layout_for, release_run
@@ -70,6 +71,7 @@ class RunState:
     config: Config
     tracker: Tracker
     kl_controller: object
+    artifacts: PrefectArtifacts
     history: list[dict[str, float]] = field(default_factory=list)
 
     def run(self, stage_task, *args) -> dict[str, float]:
@@ -105,7 +107,9 @@ def start_run(config: Config) -> RunState:
     layout.fs.makedirs(layout.run_dir, exist_ok=True)
     ctrl = config.algorithm.kl_ctrl
     controller = make_kl_controller(ctrl.type, ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
-    return RunState(config=config, tracker=Tracker(config), kl_controller=controller)
+    tracker = Tracker(config)
+    artifacts = PrefectArtifacts(config, tracker.uri, tracker.experiment_id, tracker.run_id)
+    return RunState(config=config, tracker=tracker, kl_controller=controller, artifacts=artifacts)
 
 
 def training_step(state: RunState, step: int) -> dict[str, float]:
@@ -175,6 +179,7 @@ def train(config: Config) -> dict:
             if step % trainer.samples_every == 0 or last:
                 state.tracker.log_table(stages.sample_rows(config, step), f"samples/step_{step + 1:05d}.json")
             state.history.append(metrics)
+            state.artifacts.step_done(step + 1, metrics)
             logger.info(_progress_line(step, trainer.total_steps, metrics))
         summary["val_reward_end"] = state.history[-1]["val/reward/mean"]
         status = "FINISHED"

@@ -96,6 +96,28 @@ def test_grpo_flow_writes_every_stage_and_tracks_in_mlflow(prefect_api, tmp_path
     names = _task_names(state.state_details.flow_run_id)
     assert names.count("rollout") == 2 and names.count("update_actor") == 2
     assert names.count("values") == 0 and names.count("warm_start") == 1
+    _check_prefect_artifacts(client, run.info.run_id)
+
+
+def _check_prefect_artifacts(mlflow_client, mlflow_run_id):
+    """The Prefect UI shows progress 100 %, the per-step table (same values as MLflow) and the MLflow link."""
+    import json
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        def latest(key):
+            found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+            return sorted(found, key=lambda artifact: artifact.created)[-1]
+
+        assert float(latest("grpo-progress").data) == 100.0
+        table = latest("grpo-metrics").data
+        rows = json.loads(table) if isinstance(table, str) else table
+        scores = mlflow_client.get_metric_history(mlflow_run_id, "critic/score/mean")
+        assert [row["step"] for row in rows] == [1, 2]
+        assert [row["critic/score/mean"] for row in rows] == pytest.approx([m.value for m in scores], abs=1e-5)
+        assert mlflow_run_id in latest("grpo-mlflow").data
 
 
 def test_ppo_flow_with_critic_and_adaptive_kl_penalty(prefect_api, tmp_path, tiny_inputs):
