@@ -41,10 +41,10 @@ def _ensure_quickstart_inputs(config) -> None:
     ensure_arithmetic_dataset(data_dir, **QUICKSTART_TASK)
 
 
-def run_training(config) -> dict:
+def run_training(config, start_workers: bool = False) -> dict:
     from flows.run import run_training as run
 
-    summary, flow_run_id = run(config)
+    summary, flow_run_id = run(config, start_workers=start_workers)
     _print_where_to_look(config, summary, flow_run_id)
     return summary
 
@@ -89,7 +89,7 @@ def cmd_train(args) -> int:
 def cmd_run(args) -> int:
     from flows.config import load_config
 
-    run_training(load_config(args.config, ["trainer.execution=workers", *args.overrides]))
+    run_training(load_config(args.config, ["trainer.execution=workers", *args.overrides]), start_workers=True)
     return 0
 
 

@@ -65,7 +65,13 @@ def plan_placement(config: Config) -> dict[str, object]:
     for warning in report.warnings:
         print(f"warning: {warning}")
     report.raise_if_failed()
-    return {role: report.assignments[role] for role in roles_in_use(config)}
+    assignments = {role: report.assignments[role] for role in roles_in_use(config)}
+    for role, devices in assignments.items():
+        if devices != "cpu" and len(devices) > 1:
+            # Until sharded (FSDP) roles exist, a second GPU would sit idle: say so instead.
+            raise ValueError(f"placement.roles.{role}={devices}: a role on several GPUs (FSDP / tensor parallel) "
+                             "is not supported yet; give each role one GPU")
+    return assignments
 
 
 @contextlib.contextmanager
@@ -98,19 +104,23 @@ def print_worker_summary(heartbeat_directory: str) -> None:
               + (f" peak GPU memory allocated {peak} GiB" if peak else ""))
 
 
-def run_training(config: Config) -> tuple[dict, str]:
-    """Run the flow against PREFECT_API_URL or a local server; returns (summary, flow run id)."""
-    from flows.launcher import prefect_server, using_prefect_api, worker_environment
+def run_training(config: Config, start_workers: bool = False) -> tuple[dict, str]:
+    """Run the flow against PREFECT_API_URL or a local server; returns (summary, flow run id).
+
+    start_workers: also start (and supervise) one worker per role on this machine, as `rlhf run`
+    does; otherwise, with trainer.execution=workers, the stages go to workers started elsewhere.
+    """
+    from flows.launcher import prefect_server, using_prefect_api
 
     # One progress line per step on the terminal; task-run states stay visible in the Prefect UI.
     logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
     workers = config.trainer.execution == "workers"
-    if workers:
+    if start_workers:
         plan_placement(config)  # fail on a bad placement before any server or model starts
     with prefect_server() as api_url:
         storage = worker_environment(api_url, config.run.storage_root, "")["PREFECT_LOCAL_STORAGE_PATH"]
         with using_prefect_api(api_url, local_storage_path=storage if workers else None), \
-                (worker_pool(config, api_url) if workers else contextlib.nullcontext()):
+                (worker_pool(config, api_url) if start_workers else contextlib.nullcontext()):
             from flows.train import train
 
             state = train(config, return_state=True)
