@@ -8,10 +8,13 @@ weights: the classic silent failure of bf16 RL runs.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Callable
 
 import torch
+
+from components.distributed import local_rows, scalar, world_size
 
 
 def make_optimizer(model: torch.nn.Module, optim_config) -> tuple[torch.optim.Optimizer, object]:
@@ -62,22 +65,26 @@ def run_updates(
         order = torch.randperm(batch_size, generator=generator)
         for mini in order.split(mini_batch_size):
             optimizer.zero_grad(set_to_none=True)
-            mini_weight = float(row_weights[mini].sum().clamp(min=1e-8))
-            for micro in mini.split(micro_batch_size):
+            # Sharded (FSDP) ranks each take their share of the mini-batch; every rank makes the same
+            # number of forward/backward calls (they are collectives), hence the equal-count split.
+            local = local_rows(mini)
+            chunks = max(1, math.ceil(len(mini) / world_size() / micro_batch_size))
+            mini_weight = float(row_weights[local].sum().clamp(min=1e-8))
+            for micro in local.tensor_split(chunks):
                 loss, metrics = micro_loss(micro)
                 (loss * (float(row_weights[micro].sum()) / mini_weight)).backward()
                 for name, value in metrics.items():
                     sums[name] += float(value)
                     counts[name] += 1
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            if not torch.isfinite(grad_norm):
+            grad_norm = scalar(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+            if not math.isfinite(grad_norm):
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue
             last_lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
-            sums[f"{prefix}/grad_norm"] += float(grad_norm)
+            sums[f"{prefix}/grad_norm"] += grad_norm
             counts[f"{prefix}/grad_norm"] += 1
     model.eval()
     result = {name: sums[name] / counts[name] for name in sums}

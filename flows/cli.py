@@ -94,9 +94,12 @@ def cmd_run(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from flows.worker import serve_role
+    from flows.worker import follow, serve_role
 
-    serve_role(args.role, args.devices, args.heartbeat_dir)
+    if args.follower:
+        follow(args.role, args.devices)
+    else:
+        serve_role(args.role, args.devices, args.heartbeat_dir)
     return 0
 
 
@@ -164,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--devices", default="cpu", help="cpu, or GPU indices relative to CUDA_VISIBLE_DEVICES: 0,1")
     worker.add_argument("--heartbeat-dir", default=None,
                         help="folder (local or fsspec URI) the driver reads liveness from; default $RLHF_WORKER_DIR")
+    worker.add_argument("--follower", action="store_true", help=argparse.SUPPRESS)  # ranks > 0 of a sharded role
     worker.set_defaults(handler=cmd_worker)
 
     from flows.compare import add_compare_parser

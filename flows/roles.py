@@ -48,8 +48,17 @@ def _build_rollout(config: Config):
 def _build_actor(config: Config):
     from components.actor import Actor
 
-    return Actor.from_pretrained(initial_policy_path(config), config.actor, temperature=config.rollout.temperature,
-                                 seed=config.trainer.seed, **_model_kwargs(config))
+    actor = Actor.from_pretrained(initial_policy_path(config), config.actor, temperature=config.rollout.temperature,
+                                  seed=config.trainer.seed, **_model_kwargs(config))
+    _shard_if_distributed(actor.model)
+    return actor
+
+
+def _shard_if_distributed(model) -> None:
+    from components.distributed import is_distributed, shard_model
+
+    if is_distributed():
+        shard_model(model)
 
 
 def _build_reference(config: Config):
@@ -62,8 +71,10 @@ def _build_reference(config: Config):
 def _build_critic(config: Config):
     from components.critic import Critic
 
-    return Critic.from_pretrained(config.critic.model_path or initial_policy_path(config), config.critic,
-                                  seed=config.trainer.seed, **_model_kwargs(config))
+    critic = Critic.from_pretrained(config.critic.model_path or initial_policy_path(config), config.critic,
+                                    seed=config.trainer.seed, **_model_kwargs(config))
+    _shard_if_distributed(critic.model)
+    return critic
 
 
 def _build_reward(config: Config):

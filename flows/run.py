@@ -15,6 +15,7 @@ from typing import Iterator
 
 from flows.config import Config
 from flows.launcher import WorkerPool, worker_environment
+from flows.worker import SHARDED_ROLES
 
 
 def roles_in_use(config: Config) -> list[str]:
@@ -67,10 +68,10 @@ def plan_placement(config: Config) -> dict[str, object]:
     report.raise_if_failed()
     assignments = {role: report.assignments[role] for role in roles_in_use(config)}
     for role, devices in assignments.items():
-        if devices != "cpu" and len(devices) > 1:
-            # Until sharded (FSDP) roles exist, a second GPU would sit idle: say so instead.
-            raise ValueError(f"placement.roles.{role}={devices}: a role on several GPUs (FSDP / tensor parallel) "
-                             "is not supported yet; give each role one GPU")
+        if devices != "cpu" and len(devices) > 1 and role not in SHARDED_ROLES:
+            # Tensor-parallel rollout and sharded reference/reward are not built: a second GPU would idle.
+            raise ValueError(f"placement.roles.{role}={devices}: only {' and '.join(SHARDED_ROLES)} may span "
+                             "several GPUs (FSDP); give this role one GPU")
     return assignments
 
 

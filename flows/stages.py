@@ -25,12 +25,21 @@ from components.batch import SequenceBatch, build_sequence_batch
 from components.rollout import SamplingParams
 from flows.config import Config
 from flows.roles import get_role, initial_policy_path, layout_for
-from storage import atomic_directory, padded_tensor, read_stage, unpad, write_stage
+from components.distributed import full_state_dict, is_writer
+from storage import atomic_directory, padded_tensor, read_stage, unpad
+from storage import write_stage as _write_stage
 
 
 class StageResult(TypedDict):
     path: str
     metrics: dict[str, float]
+
+
+def write_stage(layout, step: int, stage: str, columns) -> str:
+    """Write a stage output; the other ranks of a sharded role computed the same values and skip it."""
+    if is_writer():
+        return _write_stage(layout, step, stage, columns)
+    return layout.stage_path(step, stage)
 
 
 @contextmanager
@@ -219,8 +228,11 @@ def update_actor(config: Config, step: int) -> StageResult:
             ref_logprobs=ref_logprobs))
     layout = layout_for(config)
     path = layout.weights_dir("actor", step + 1)
-    with timed(metrics, "save_weights"), atomic_directory(layout.fs, path) as local:
-        actor.model.save_pretrained(local)
+    with timed(metrics, "save_weights"):
+        state = full_state_dict(actor.model)  # a collective when the actor is sharded
+        if is_writer():
+            with atomic_directory(layout.fs, path) as local:
+                actor.model.save_pretrained(local, state_dict=state)
     return {"path": path, "metrics": metrics}
 
 

@@ -31,6 +31,7 @@ from flows.artifacts import PrefectArtifacts
 from flows.config import Config, ConfigError
 from flows.dispatch import RemoteStage
 from flows.roles import layout_for, release_run
+from flows.system_metrics import start_system_metrics, stop_system_metrics
 from flows.tracking import Tracker
 from flows.worker import STAGE_ROLE
 
@@ -46,6 +47,14 @@ def _stage_task(function, name: str):
             return function(*args, **kwargs)
         from prefect.runtime import task_run
 
+        from components.distributed import broadcast_call, is_distributed
+
+        if is_distributed():  # a sharded role: the other ranks run the same call in lockstep
+            broadcast_call((name, args, kwargs))
+        from flows.system_metrics import start_system_metrics
+
+        # Here, not at worker start: the MLflow run exists only once the driver has started the flow.
+        start_system_metrics(args[0] if args else kwargs["config"], worker.CURRENT.state["role"])
         step = kwargs.get("step", args[1] if len(args) > 1 else None)
         with worker.CURRENT.running(str(task_run.id), name, step):
             return function(*args, **kwargs)
@@ -108,6 +117,7 @@ def start_run(config: Config) -> RunState:
     ctrl = config.algorithm.kl_ctrl
     controller = make_kl_controller(ctrl.type, ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
     tracker = Tracker(config)
+    start_system_metrics(config, "driver")
     artifacts = PrefectArtifacts(config, tracker.uri, tracker.experiment_id, tracker.run_id)
     return RunState(config=config, tracker=tracker, kl_controller=controller, artifacts=artifacts)
 
@@ -182,8 +192,12 @@ def train(config: Config) -> dict:
             state.artifacts.step_done(step + 1, metrics)
             logger.info(_progress_line(step, trainer.total_steps, metrics))
         summary["val_reward_end"] = state.history[-1]["val/reward/mean"]
+        latest = layout_for(config).latest_weights("actor")
+        if latest:
+            state.tracker.log_model_folder(latest[1])  # the final policy, as MLflow artifacts under model/
         status = "FINISHED"
         return summary
     finally:
+        stop_system_metrics()
         state.tracker.finish(status)
         release_run(config)

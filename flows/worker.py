@@ -146,12 +146,77 @@ def pin_devices(devices: str) -> str:
     return os.environ["CUDA_VISIBLE_DEVICES"]
 
 
+SHARDED_ROLES = ("actor", "critic")
+"""Roles that may span several GPUs (FSDP2 ranks, components/distributed.py)."""
+
+
+def _start_followers(role: str, count: int) -> list:
+    """Ranks 1..count-1 of a sharded role, as child processes (same process group as rank 0)."""
+    import subprocess
+
+    from flows.launcher import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(count),
+                      RANK="0", LOCAL_RANK="0")
+    followers = []
+    for rank in range(1, count):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank))
+        followers.append(subprocess.Popen([sys.executable, "-m", "flows.cli", "worker", "--role", role,
+                                           "--devices", ",".join(map(str, range(count))), "--follower"], env=env))
+    return followers
+
+
+def _exit_when_a_follower_dies(followers: list) -> None:
+    """A dead rank would leave rank 0 waiting in a collective forever: exit so the pool restarts us."""
+    def watch() -> None:
+        while True:
+            for follower in followers:
+                if follower.poll() is not None:
+                    print(f"rank of pid {follower.pid} exited with code {follower.returncode}; stopping", flush=True)
+                    for other in followers:
+                        other.kill()
+                    os._exit(3)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="rlhf-follower-watch", daemon=True).start()
+
+
+def follow(role: str, devices: str) -> None:
+    """A rank > 0 of a sharded role: run every stage call that rank 0 broadcasts, in order."""
+    import traceback
+
+    pin_devices(devices)
+    from components.distributed import broadcast_call, init_from_environment
+    from flows import stages
+
+    init_from_environment()
+    while True:
+        call = broadcast_call(None)
+        if call is None:
+            return
+        stage, args, kwargs = call
+        if stage == "warm_start":  # no collectives: rank 0 does it alone
+            continue
+        try:
+            getattr(stages, stage)(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - rank 0 reports the stage's failure; stay in step with it
+            traceback.print_exc()
+
+
 def serve_role(role: str, devices: str, directory: str | None = None) -> None:
     """Pin devices, start the heartbeat, and serve this role's stage tasks until stopped."""
     global CURRENT
     if role not in ROLE_STAGES:
         raise ValueError(f"--role {role!r} is not one of: {', '.join(ROLE_STAGES)}")
     visible = pin_devices(devices)  # before torch is imported anywhere in this process
+    count = 0 if devices == "cpu" else len(visible.split(","))
+    followers = []
+    if count > 1 and role in SHARDED_ROLES:
+        followers = _start_followers(role, count)
+        from components.distributed import init_from_environment
+
+        init_from_environment()
+        _exit_when_a_follower_dies(followers)
     from prefect.task_worker import serve
 
     from flows.train import STAGE_TASKS
@@ -162,4 +227,11 @@ def serve_role(role: str, devices: str, directory: str | None = None) -> None:
         # One stage at a time: a role's model is not safe to use from two stages at once.
         serve(*[STAGE_TASKS[stage] for stage in ROLE_STAGES[role]], limit=1)
     finally:
+        from flows.system_metrics import stop_system_metrics
+
+        stop_system_metrics()
         CURRENT.stop()
+        if followers:
+            from components.distributed import broadcast_call
+
+            broadcast_call(None)
