@@ -15,7 +15,7 @@ import torch
 from components.algorithms import aggregate_loss, entropy_from_logits, get_policy_loss, kl_loss, logprobs_from_logits
 from components.batch import SequenceBatch, response_logits
 from components.models import load_causal_lm, load_tokenizer
-from components.training import loss_row_weights, make_optimizer, run_updates
+from components.training import Updater
 
 
 @torch.no_grad()
@@ -46,10 +46,7 @@ class Actor:
         self.tokenizer = tokenizer
         self.config = config or ActorConfig()
         self.temperature = temperature
-        self.seed = seed
-        self.updates = 0
-        self._optimizer = None
-        self._scheduler = None
+        self.updater = Updater(model, self.config, seed)
 
     @classmethod
     def from_pretrained(cls, path: str, config=None, *, dtype="float32", device="auto",
@@ -67,17 +64,12 @@ class Actor:
         return sequence_logprobs(self.model, batch, temperature=self.temperature,
                                  micro_batch_size=self.config.micro_batch_size, with_entropy=with_entropy)
 
-    def _ensure_optimizer(self) -> None:
-        if self._optimizer is None:
-            self._optimizer, self._scheduler = make_optimizer(self.model, self.config.optim)
-
     def update(self, batch: SequenceBatch, *, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor | None = None) -> dict[str, float]:
         """One PPO update over the batch (all inputs `[B, T]`); returns `actor/*` metrics."""
         config = self.config
         if config.use_kl_loss and ref_logprobs is None:
             raise ValueError("actor.use_kl_loss=true needs reference log-probs")
-        self._ensure_optimizer()
         policy_loss = get_policy_loss(config.policy_loss)
         device = self.device
 
@@ -105,14 +97,7 @@ class Actor:
                 metrics.update(kl_metrics)
             return loss, metrics
 
-        metrics = run_updates(
-            model=self.model, optimizer=self._optimizer, scheduler=self._scheduler, batch_size=batch.size,
-            mini_batch_size=config.ppo_mini_batch_size, micro_batch_size=config.micro_batch_size,
-            epochs=config.ppo_epochs, grad_clip=config.optim.grad_clip, seed=self.seed + self.updates,
-            micro_loss=micro_loss, prefix="actor", row_weights=loss_row_weights(batch.response_mask, config.loss_agg_mode),
-        )
-        self.updates += 1
-        return metrics
+        return self.updater.update(batch.response_mask, micro_loss, prefix="actor")
 
     def generate(self, prompts, **sampling):
         """Sample responses with the transformers engine (see components.rollout.SamplingParams)."""

@@ -11,7 +11,7 @@ import torch
 from components.algorithms import value_loss
 from components.batch import SequenceBatch
 from components.models import load_pretrained
-from components.training import loss_row_weights, make_optimizer, run_updates
+from components.training import Updater
 
 
 def response_values(model, batch: SequenceBatch) -> torch.Tensor:
@@ -28,10 +28,7 @@ class Critic:
 
         self.model = model
         self.config = config or CriticConfig()
-        self.seed = seed
-        self.updates = 0
-        self._optimizer = None
-        self._scheduler = None
+        self.updater = Updater(model, self.config, seed)
 
     @classmethod
     def from_pretrained(cls, path: str, config=None, *, dtype="float32", device="auto",
@@ -66,8 +63,6 @@ class Critic:
     def update(self, batch: SequenceBatch, *, old_values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
         """Clipped value regression on the returns (inputs `[B, T]`); returns `critic/*` metrics."""
         config = self.config
-        if self._optimizer is None:
-            self._optimizer, self._scheduler = make_optimizer(self.model, config.optim)
         device = self.device
 
         def micro_loss(indices: torch.Tensor):
@@ -76,11 +71,4 @@ class Critic:
                               returns=returns[indices].to(device), response_mask=micro.response_mask,
                               cliprange_value=config.cliprange_value, loss_agg_mode=config.loss_agg_mode)
 
-        metrics = run_updates(
-            model=self.model, optimizer=self._optimizer, scheduler=self._scheduler, batch_size=batch.size,
-            mini_batch_size=config.ppo_mini_batch_size, micro_batch_size=config.micro_batch_size,
-            epochs=config.ppo_epochs, grad_clip=config.optim.grad_clip, seed=self.seed + self.updates,
-            micro_loss=micro_loss, prefix="critic", row_weights=loss_row_weights(batch.response_mask, config.loss_agg_mode),
-        )
-        self.updates += 1
-        return metrics
+        return self.updater.update(batch.response_mask, micro_loss, prefix="critic")

@@ -98,3 +98,30 @@ def loss_row_weights(response_mask: torch.Tensor, loss_agg_mode: str) -> torch.T
     if loss_agg_mode == "token-mean":
         return response_mask.sum(-1)
     return torch.ones(response_mask.shape[0])
+
+
+class Updater:
+    """A model's optimizer, schedule and update count, shared by the actor and the critic.
+
+    `config` is an ActorConfig or CriticConfig (optim, ppo_epochs, ppo_mini_batch_size,
+    micro_batch_size, loss_agg_mode). The optimizer is made on the first update, after any sharding.
+    """
+
+    def __init__(self, model: torch.nn.Module, config, seed: int):
+        self.model, self.config, self.seed = model, config, seed
+        self.updates = 0
+        self.optimizer = None
+        self.scheduler = None
+
+    def update(self, response_mask: torch.Tensor, micro_loss, prefix: str) -> dict[str, float]:
+        config = self.config
+        if self.optimizer is None:
+            self.optimizer, self.scheduler = make_optimizer(self.model, config.optim)
+        metrics = run_updates(
+            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, batch_size=response_mask.shape[0],
+            mini_batch_size=config.ppo_mini_batch_size, micro_batch_size=config.micro_batch_size,
+            epochs=config.ppo_epochs, grad_clip=config.optim.grad_clip, seed=self.seed + self.updates,
+            micro_loss=micro_loss, prefix=prefix, row_weights=loss_row_weights(response_mask, config.loss_agg_mode),
+        )
+        self.updates += 1
+        return metrics

@@ -67,15 +67,22 @@ def prefect_server(prefect_home: Path = DEFAULT_PREFECT_HOME, port: int | None =
         wait_until_healthy(api_url, process)
         yield api_url
     finally:
+        stop_process_groups([process], grace_s=20)
+        log.close()
+
+
+def stop_process_groups(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM each process group (the process and its children), SIGKILL what outlives the grace."""
+    for process in processes:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
+    for process in processes:
         try:
-            process.wait(timeout=20)
+            process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        log.close()
 
 
 @contextlib.contextmanager
@@ -181,16 +188,7 @@ class WorkerPool:
 
     def stop(self) -> None:
         self._stopping.set()
-        for process in self.processes.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_process_groups(list(self.processes.values()), grace_s=15)
 
 
 def worker_environment(api_url: str, storage_root: str, heartbeat_directory: str,

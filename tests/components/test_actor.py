@@ -117,7 +117,7 @@ def test_first_update_has_unit_ratio_and_changes_parameters(model, tokenizer):
     # ratio 1: the PPO loss is -token-mean(A)
     mask = batch.response_mask
     assert metrics["actor/pg_loss"] == pytest.approx(float(-(advantages * mask).sum() / mask.sum()), abs=1e-5)
-    assert actor.updates == 1
+    assert actor.updater.updates == 1
     after = _params(model)
     assert any(not torch.equal(before[name], after[name]) for name in before)
 
@@ -140,8 +140,8 @@ def _grad_accumulation_change(model_path, tokenizer, batch, old_logprobs, advant
                      optim=OptimConfig(lr=1e-2, grad_clip=1e6))
     actor = Actor(model, tokenizer, config, temperature=1.0)
     # plain SGD makes the parameter change proportional to the accumulated gradient
-    actor._optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    actor._scheduler = torch.optim.lr_scheduler.LambdaLR(actor._optimizer, lambda step: 1.0)
+    actor.updater.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    actor.updater.scheduler = torch.optim.lr_scheduler.LambdaLR(actor.updater.optimizer, lambda step: 1.0)
     before = _params(model)
     metrics = actor.update(batch, old_logprobs=old_logprobs, advantages=advantages)
     after = _params(model)

@@ -92,7 +92,7 @@ def test_update_moves_values_towards_constant_returns(model_path, batch):
     assert start > 0.5
     assert end < 0.5 * start
     assert losses[-1] < losses[0]
-    assert critic.updates == 5
+    assert critic.updater.updates == 5
 
 
 def test_value_clipping_limits_the_move(model_path, batch):
