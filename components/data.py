@@ -109,8 +109,23 @@ def read_prompt_table(paths: Sequence[str] | str, field: str = "data.train_files
         paths = [paths]
     if not paths:
         raise ValueError(f"{field}: no files given; list one or more Parquet files")
-    tables = [_normalize_table(_open_parquet(str(path), field), str(path), field) for path in paths]
+    paths = [match for path in paths for match in expand_pattern(str(path), field)]
+    tables = [_normalize_table(_open_parquet(path, field), path, field) for path in paths]
     return pa.concat_tables(tables)
+
+
+def expand_pattern(path: str, field: str) -> list[str]:
+    """A path with `*`, `?` or `[` is a glob (local or fsspec URI): its matches, sorted, or an error."""
+    if not any(character in path for character in "*?["):
+        return [path]
+    import fsspec
+
+    fs, pattern = fsspec.core.url_to_fs(path)
+    protocol = path.split("://", 1)[0] + "://" if "://" in path else ""
+    matches = sorted(fs.glob(pattern))
+    if not matches:
+        raise ValueError(f"{field}: the pattern {path!r} matches no file")
+    return [protocol + match if protocol else match for match in matches]
 
 
 def render_prompt(tokenizer, messages: list[dict] | str) -> str:

@@ -5,6 +5,8 @@
     rlhf config show configs/grpo.yaml actor.optim.lr=1e-5
     rlhf make-tiny-model .rlhf/models/tiny-qwen2
     rlhf make-data arithmetic .rlhf/data/arithmetic
+    rlhf resume RUN                      # continue a failed run at its first unfinished stage
+    rlhf export RUN [STEP]               # a Hugging Face folder of the trained policy
 """
 
 from __future__ import annotations
@@ -93,6 +95,17 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_resume(args) -> int:
+    from flows.config import build_config
+    from flows.resume import read_run_record
+    from storage import RunLayout
+
+    record = read_run_record(RunLayout(args.storage_root, args.run))
+    config = build_config(record["config"], ["run.resume=true", "run.overwrite=false", *args.overrides])
+    run_training(config, start_workers=config.trainer.execution == "workers")
+    return 0
+
+
 def cmd_worker(args) -> int:
     from flows.worker import follow, serve_role
 
@@ -160,6 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", help=overrides_help)
     run.set_defaults(handler=cmd_run)
 
+    resume = commands.add_parser("resume", help="continue a failed or stopped run from its latest checkpoint",
+                                 description="Stages whose committed output exists and validates are not run again; "
+                                             "the MLflow run continues.\n\nexample: rlhf resume quickstart-20261130-075143",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    resume.add_argument("run", help="run name (the folder under the storage root)")
+    resume.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.total_steps=400 to extend it")
+    resume.add_argument("--storage-root", default=".rlhf/runs", help="where the run folder is (default .rlhf/runs)")
+    resume.set_defaults(handler=cmd_resume)
+
     worker = commands.add_parser("worker", help="serve one role's stages (a long-lived Prefect task worker)",
                                  description="example: PREFECT_API_URL=http://head:4200/api RLHF_WORKER_DIR=/shared/workers "
                                              "rlhf worker --role actor --devices 0,1")
@@ -172,9 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from flows.compare import add_compare_parser
     from flows.doctor import add_doctor_parser
+    from flows.export import add_export_parser
 
     add_compare_parser(commands)
     add_doctor_parser(commands)
+    add_export_parser(commands)
 
     config = commands.add_parser("config", help="inspect configurations",
                                  description="example: rlhf config show configs/quickstart.yaml trainer.total_steps=5")

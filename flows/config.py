@@ -34,6 +34,12 @@ class RunConfig(Section):
     """Where stage outputs, weights and checkpoints go: a local path or any fsspec URI."""
     overwrite: bool = False
     """Start over when a run folder of that name already exists (otherwise refuse)."""
+    name_timestamp: bool = False
+    """Append the UTC start time to the name (`nightly-20261130-020000`): a scheduled deployment gets
+    a new run folder each time."""
+    resume: bool = False
+    """Continue the run of this name from its latest checkpoint; stages whose committed output
+    exists and validates are not run again (`rlhf resume RUN` sets this)."""
 
 
 class ModelConfig(Section):
@@ -45,11 +51,14 @@ class ModelConfig(Section):
     """auto: flash-attn when installed and on a GPU, else PyTorch SDPA."""
     trust_remote_code: bool = False
     """Passed to from_pretrained (only for hub models you trust)."""
+    from_run: str | None = None
+    """Start from the latest committed actor weights of this earlier run (under run.storage_root),
+    e.g. a nightly run continuing yesterday's; model.path still gives the tokenizer."""
 
 
 class DataConfig(Section):
     train_files: list[str] = [".rlhf/data/arithmetic/train.parquet"]
-    """verl-format Parquet prompt files for training."""
+    """verl-format Parquet prompt files for training; glob patterns (`prompts/2026-*.parquet`) allowed."""
     val_files: list[str] = [".rlhf/data/arithmetic/validation.parquet"]
     """verl-format Parquet prompt files for validation."""
     max_prompt_length: int = Field(64, gt=0)
@@ -201,6 +210,11 @@ class TrainerConfig(Section):
     """Seconds a stage may run before the flow fails it."""
     stage_retries: int = Field(0, ge=0)
     """Times a failed stage is retried."""
+    checkpoint_every: int = Field(1, ge=0)
+    """Checkpoint actor and critic (weights, optimizer, RNG) and the driver every N steps (0: never);
+    a resumed run restarts from the latest one, so N=1 redoes at most the failed step."""
+    keep_checkpoints: int = Field(2, gt=0)
+    """How many checkpoints to keep (the oldest are deleted once a newer one is committed)."""
     execution: Literal["local", "workers"] = "local"
     """local: every stage runs in the flow's process; workers: each role's stages run in that role's
     long-lived worker (`rlhf worker`, started for you by `rlhf run`)."""

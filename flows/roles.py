@@ -26,9 +26,16 @@ def layout_for(config: Config) -> RunLayout:
 
 
 def initial_policy_path(config: Config) -> str:
-    """The policy RL starts from: the warm-start output when there is one, else model.path."""
+    """The policy RL starts from: the warm-start output when there is one, else the latest weights of
+    model.from_run, else model.path."""
     if config.warm_start.steps > 0:
         return layout_for(config).weights_dir("actor", 0)
+    if config.model.from_run:
+        latest = RunLayout(config.run.storage_root, config.model.from_run).latest_weights("actor")
+        if latest is None:
+            raise ValueError(f"model.from_run={config.model.from_run!r}: that run has no committed actor weights "
+                             f"under {config.run.storage_root}")
+        return latest[1]
     return config.model.path
 
 
@@ -48,10 +55,30 @@ def _build_rollout(config: Config):
 def _build_actor(config: Config):
     from components.actor import Actor
 
-    actor = Actor.from_pretrained(initial_policy_path(config), config.actor, temperature=config.rollout.temperature,
-                                  seed=config.trainer.seed, **_model_kwargs(config))
+    checkpoint = restore_point(config, "actor")
+    actor = Actor.from_pretrained(checkpoint or initial_policy_path(config), config.actor,
+                                  temperature=config.rollout.temperature, seed=config.trainer.seed,
+                                  **_model_kwargs(config))
     _shard_if_distributed(actor.model)
+    _restore_trainer_state(actor.updater, checkpoint)
     return actor
+
+
+def restore_point(config: Config, role: str) -> str | None:
+    """On resume, the role's folder in the latest checkpoint (None: start from the initial weights)."""
+    from flows.resume import latest_checkpoint
+
+    if not config.run.resume:
+        return None
+    step = latest_checkpoint(layout_for(config))
+    return None if step is None else f"{layout_for(config).checkpoint_dir(step)}/{role}"
+
+
+def _restore_trainer_state(updater, checkpoint: str | None) -> None:
+    if checkpoint is not None:
+        from components.checkpoint import load_trainer_state
+
+        load_trainer_state(updater, checkpoint)
 
 
 def _shard_if_distributed(model) -> None:
@@ -71,9 +98,17 @@ def _build_reference(config: Config):
 def _build_critic(config: Config):
     from components.critic import Critic
 
-    critic = Critic.from_pretrained(config.critic.model_path or initial_policy_path(config), config.critic,
-                                    seed=config.trainer.seed, **_model_kwargs(config))
+    import torch
+
+    checkpoint = restore_point(config, "critic")
+    # The value head is initialised at random: seed it, so that it does not depend on which stages
+    # ran before in this process (a resumed run skips some), and leave the global RNG untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.trainer.seed)
+        critic = Critic.from_pretrained(checkpoint or config.critic.model_path or initial_policy_path(config),
+                                        config.critic, seed=config.trainer.seed, **_model_kwargs(config))
     _shard_if_distributed(critic.model)
+    _restore_trainer_state(critic.updater, checkpoint)
     return critic
 
 

@@ -69,6 +69,17 @@ def _rollout_batch(config: Config, rollout) -> SequenceBatch:
                                 tokenizer.pad_token_id)
 
 
+def check_finite(stage: str, step: int, name: str, values: torch.Tensor, uids: list[str]) -> None:
+    """Stop the step on NaN or infinity, naming the stage, the quantity and the samples."""
+    bad = ~torch.isfinite(values)
+    if bad.any():
+        rows = bad.reshape(len(uids), -1).any(dim=1).nonzero().flatten().tolist()
+        raise FloatingPointError(
+            f"stage {stage} at step {step}: {name} is NaN or infinite for {len(rows)} sample(s): "
+            f"{', '.join(uids[row] for row in rows[:5])}{' ...' if len(rows) > 5 else ''}; the step stops here "
+            "and the latest checkpoint stays as it was")
+
+
 def _per_token(table, column: str, length: int) -> torch.Tensor:
     values, _ = padded_tensor(table.column(column), 0.0, torch.float32, side="right", length=length)
     return values
@@ -77,12 +88,17 @@ def _per_token(table, column: str, length: int) -> torch.Tensor:
 def sync_rollout_weights(config: Config, step: int) -> dict[str, float]:
     """Load the actor weights published for `step` into the rollout engine, if it has older ones."""
     engine = get_role(config, "rollout")
-    latest = layout_for(config).latest_weights("actor")
+    layout = layout_for(config)
     metrics: dict[str, float] = {}
-    if latest is not None and latest[0] <= step and engine.weights_version != latest[0]:
-        with timed(metrics, "weight_sync"):
-            engine.load_weights(latest[1])
-            engine.weights_version = latest[0]
+    # The newest committed copy at or before `step` (a resumed run may hold newer ones already).
+    for version in range(step, -1, -1):
+        path = layout.weights_dir("actor", version)
+        if layout.fs.exists(f"{path}/_COMMITTED"):
+            if engine.weights_version != version:
+                with timed(metrics, "weight_sync"):
+                    engine.load_weights(path)
+                    engine.weights_version = version
+            break
     return metrics
 
 
@@ -154,6 +170,13 @@ def _per_token_stage(config: Config, step: int, stage: str, column: str, timing:
     return {"path": path, "metrics": metrics, "values": values, "batch": batch, "rollout": rollout_table}
 
 
+def _finite_logprobs(config: Config, step: int, batch: SequenceBatch) -> torch.Tensor:
+    logprobs = get_role(config, "actor").compute_logprobs(batch)[0]
+    uids = [f"row {row}" for row in range(batch.size)]  # the rollout's order; uids are in its file
+    check_finite("old_logprobs", step, "the actor's log-prob", logprobs, uids)
+    return logprobs
+
+
 def reference(config: Config, step: int) -> StageResult:
     """Log-probs of the responses under the frozen reference policy."""
     result = _per_token_stage(config, step, "reference", "ref_logprobs", "ref",
@@ -171,7 +194,7 @@ def values(config: Config, step: int) -> StageResult:
 def old_logprobs(config: Config, step: int) -> StageResult:
     """The actor's log-probs before its update, and how far they are from the rollout engine's."""
     result = _per_token_stage(config, step, "old_logprobs", "old_logprobs", "old_log_prob",
-                              lambda batch: get_role(config, "actor").compute_logprobs(batch)[0])
+                              lambda batch: _finite_logprobs(config, step, batch))
     batch, mask = result["batch"], result["batch"].response_mask
     rollout_logprobs = _per_token(result["rollout"], "rollout_logprobs", batch.response_length)
     difference = (result["values"] - rollout_logprobs).abs() * mask
@@ -199,12 +222,17 @@ def advantages(config: Config, step: int, kl_coef: float) -> StageResult:
             metrics.update(kl_metrics)
         critic_values = (_per_token(_read(config, step, "values", rollout_table), "values", length)
                          if config.uses_critic else None)
+        uids = rollout_table.column("uid").to_pylist()
+        check_finite("advantages", step, "the reward", token_rewards * mask, uids)
+        if critic_values is not None:
+            check_finite("advantages", step, "the critic value", critic_values, uids)
         estimator = get_advantage_estimator(config.algorithm.adv_estimator)
         advantage, returns = estimator(token_rewards=token_rewards, response_mask=mask, values=critic_values,
                                        group_ids=rollout_table.column("group_id").to_pylist(),
                                        gamma=config.algorithm.gamma, lam=config.algorithm.lam)
+        check_finite("advantages", step, "the advantage", advantage, uids)
         path = write_stage(layout_for(config), step, "advantages", {
-            "uid": rollout_table.column("uid").to_pylist(), "token_rewards": unpad(token_rewards, mask),
+            "uid": uids, "token_rewards": unpad(token_rewards, mask),
             "advantages": unpad(advantage, mask), "returns": unpad(returns, mask)})
     metrics.update(_stats("critic/rewards", token_rewards.sum(-1)))
     metrics.update(_stats("critic/advantages", advantage, mask))
@@ -314,3 +342,25 @@ def sample_rows(config: Config, step: int, limit: int = 16) -> dict[str, list]:
             "prompt": tokenizer.batch_decode(rollout_table.column("prompt_ids").to_pylist(), skip_special_tokens=True),
             "response": rollout_table.column("response_text").to_pylist(),
             "ground_truth": rollout_table.column("ground_truth").to_pylist(), "score": scores}
+
+
+def _checkpoint_role(config: Config, step: int, role: str) -> StageResult:
+    from components.checkpoint import save_role_checkpoint
+
+    layout = layout_for(config)
+    instance = get_role(config, role)
+    path = f"{layout.checkpoint_dir(step)}/{role}"
+    metrics: dict[str, float] = {}
+    with timed(metrics, f"checkpoint_{role}"):
+        save_role_checkpoint(layout.fs, path, instance.model, instance.updater)
+    return {"path": path, "metrics": metrics}
+
+
+def checkpoint_actor(config: Config, step: int) -> StageResult:
+    """The actor's full training state at the start of `step` (weights, optimizer, schedule, RNG)."""
+    return _checkpoint_role(config, step, "actor")
+
+
+def checkpoint_critic(config: Config, step: int) -> StageResult:
+    """The critic's full training state at the start of `step`."""
+    return _checkpoint_role(config, step, "critic")

@@ -113,6 +113,15 @@ def find_active_run_id(config: Config) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
+def artifact_location(uri: str) -> str | None:
+    """With a SQLite store, artifacts go beside the database (`<db folder>/mlartifacts/`) instead of
+    `./mlruns` under whatever the working directory is; servers choose their own."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix):
+        return None
+    return (Path(uri[len(prefix):]).parent / "mlartifacts").resolve().as_uri()
+
+
 class Tracker:
     """Logs params, per-step metrics, sample tables and artifacts to one MLflow run."""
 
@@ -125,7 +134,8 @@ class Tracker:
         mlflow.set_tracking_uri(self.uri)
         experiment = self.client.get_experiment_by_name(config.tracking.experiment)
         experiment_id = (experiment.experiment_id if experiment
-                         else self.client.create_experiment(config.tracking.experiment))
+                         else self.client.create_experiment(config.tracking.experiment,
+                                                            artifact_location=artifact_location(self.uri)))
         if run_id is None:
             run = self.client.create_run(experiment_id, run_name=config.run.name, tags=run_tags(config))
             run_id = run.info.run_id

@@ -18,22 +18,26 @@ Tasks are thin wrappers of `flows.stages` functions and pass only storage paths 
 
 from __future__ import annotations
 
+import datetime
 import functools
+import os
 import time
-from dataclasses import dataclass, field
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from components.algorithms import make_kl_controller
 from flows import stages
-from flows.artifacts import PrefectArtifacts
-from flows.config import Config, ConfigError
-from flows.dispatch import RemoteStage
+from flows.config import Config
+from flows.driver import RunState, start_run
 from flows.roles import layout_for, release_run
-from flows.system_metrics import start_system_metrics, stop_system_metrics
-from flows.tracking import Tracker
-from flows.worker import STAGE_ROLE
+from flows.system_metrics import stop_system_metrics
+
+
+def _inject_failure(stage: str, step) -> None:
+    """Fault injection for tests and recovery drills: RLHF_INJECT_FAILURE=stage:step fails that stage."""
+    target = os.environ.get("RLHF_INJECT_FAILURE", "")
+    if target and target == f"{stage}:{step}":
+        raise RuntimeError(f"injected failure in stage {stage} at step {step} (RLHF_INJECT_FAILURE={target})")
 
 
 def _stage_task(function, name: str):
@@ -43,6 +47,7 @@ def _stage_task(function, name: str):
     def run_stage(*args, **kwargs):
         from flows import worker
 
+        _inject_failure(name, kwargs.get("step", args[1] if len(args) > 1 else None))
         if worker.CURRENT is None:
             return function(*args, **kwargs)
         from prefect.runtime import task_run
@@ -66,60 +71,11 @@ def _stage_task(function, name: str):
 
 STAGE_TASKS = {name: _stage_task(getattr(stages, name), name) for name in (
     "rollout", "reward", "reference", "values", "old_logprobs", "advantages", "update_actor", "update_critic",
-    "validate", "warm_start")}
+    "validate", "warm_start", "checkpoint_actor", "checkpoint_critic")}
 rollout_task, reward_task, reference_task, values_task, old_logprobs_task = (
     STAGE_TASKS[name] for name in ("rollout", "reward", "reference", "values", "old_logprobs"))
 advantages_task, update_actor_task, update_critic_task, validate_task, warm_start_task = (
     STAGE_TASKS[name] for name in ("advantages", "update_actor", "update_critic", "validate", "warm_start"))
-
-
-@dataclass
-class RunState:
-    """What the driver holds between steps: no models, only the tracker and the KL coefficient."""
-
-    config: Config
-    tracker: Tracker
-    kl_controller: object
-    artifacts: PrefectArtifacts
-    history: list[dict[str, float]] = field(default_factory=list)
-
-    def run(self, stage_task, *args) -> dict[str, float]:
-        """Run one stage and wait for it; return its metrics."""
-        return self.wait(self.submit(stage_task, *args))
-
-    def submit(self, stage_task, *args):
-        """Start a stage: on its role's worker (execution=workers) or on a thread of this process."""
-        trainer = self.config.trainer
-        stage = stage_task.name
-        if trainer.execution == "workers" and stage in STAGE_ROLE:
-            return RemoteStage(stage_task, stage, (self.config, *args), worker_timeout_s=trainer.worker_timeout_s,
-                               worker_wait_s=trainer.worker_wait_s, stage_timeout_s=trainer.stage_timeout_s)
-        return stage_task.with_options(retries=trainer.stage_retries).submit(self.config, *args)
-
-    def wait(self, handle) -> dict[str, float]:
-        if isinstance(handle, RemoteStage):
-            return handle.result()["metrics"]
-        # The timeout bounds the driver's wait: a thread running the stage cannot be interrupted.
-        return handle.result(timeout=self.config.trainer.stage_timeout_s)["metrics"]
-
-
-def start_run(config: Config) -> RunState:
-    """Refuse to overwrite an earlier run by accident, open the MLflow run, build the KL controller."""
-    layout = layout_for(config)
-    if layout.exists(layout.run_dir):
-        if not config.run.overwrite:
-            raise ConfigError(
-                f"run.name={config.run.name!r}: {layout.run_dir} already exists; choose another run.name "
-                "or set run.overwrite=true to start it over")
-        layout.fs.rm(layout.run_dir, recursive=True)
-    release_run(config)
-    layout.fs.makedirs(layout.run_dir, exist_ok=True)
-    ctrl = config.algorithm.kl_ctrl
-    controller = make_kl_controller(ctrl.type, ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
-    tracker = Tracker(config)
-    start_system_metrics(config, "driver")
-    artifacts = PrefectArtifacts(config, tracker.uri, tracker.experiment_id, tracker.run_id)
-    return RunState(config=config, tracker=tracker, kl_controller=controller, artifacts=artifacts)
 
 
 def training_step(state: RunState, step: int) -> dict[str, float]:
@@ -162,36 +118,55 @@ def _progress_line(step: int, total: int, metrics: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
+def _checkpoint_tasks(config: Config) -> list:
+    return [STAGE_TASKS["checkpoint_actor"]] + ([STAGE_TASKS["checkpoint_critic"]] if config.uses_critic else [])
+
+
 @flow(name="rlhf-train", log_prints=True)
 def train(config: Config) -> dict:
     """Train a causal LM with PPO/GRPO; return the final validation reward and where to look."""
     logger = get_run_logger()
+    from prefect.runtime import flow_run
+
+    if (flow_run.run_count or 1) > 1 and not config.run.resume:
+        # Prefect retrying this flow run (flow retries, or a retry from the UI): continue the run.
+        config = config.model_copy(update={"run": config.run.model_copy(update={"resume": True})})
+    elif config.run.name_timestamp and not config.run.resume:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        config = config.model_copy(update={"run": config.run.model_copy(
+            update={"name": f"{config.run.name}-{stamp}", "name_timestamp": False})})
     state = start_run(config)
     trainer = config.trainer
     status = "FAILED"
     try:
         summary: dict = {"mlflow_run_id": state.tracker.run_id, "run_dir": layout_for(config).run_dir}
+        if state.start_step:
+            logger.info("resuming %s at step %d (latest checkpoint)", config.run.name, state.start_step + 1)
         if config.warm_start.steps > 0:
-            # step 0. supervised warm-start (see components/sft.py for why)
+            # step 0. supervised warm-start (see components/sft.py for why); skipped when resumed
             warm = state.run(warm_start_task)
-            state.tracker.log_metrics(warm, step=0)
+            state.log_metrics(warm, step=0)
             summary["val_reward_before_warm_start"] = warm["warm_start/val_reward_before"]
         first = state.run(validate_task, 0)
-        state.tracker.log_metrics(first, step=0)
+        state.log_metrics(first, step=0)
         summary["val_reward_start"] = first["val/reward/mean"]
         logger.info("validation before RL: reward %.3f", first["val/reward/mean"])
-        for step in range(trainer.total_steps):
+        for step in range(state.start_step, trainer.total_steps):
             metrics = training_step(state, step)
-            last = step + 1 == trainer.total_steps
-            if last or (trainer.val_every and (step + 1) % trainer.val_every == 0):
-                metrics |= state.run(validate_task, step + 1)
-            state.tracker.log_metrics(metrics, step=step + 1)
-            if step % trainer.samples_every == 0 or last:
-                state.tracker.log_table(stages.sample_rows(config, step), f"samples/step_{step + 1:05d}.json")
+            done = step + 1
+            if done == trainer.total_steps or (trainer.val_every and done % trainer.val_every == 0):
+                metrics |= state.run(validate_task, done)
+            if trainer.checkpoint_every and (done % trainer.checkpoint_every == 0 or done == trainer.total_steps):
+                state.checkpoint(done, _checkpoint_tasks(config))
+            state.log_metrics(metrics, step=done)
+            if (step % trainer.samples_every == 0 or done == trainer.total_steps) and not state.already_logged(done):
+                state.tracker.log_table(stages.sample_rows(config, step), f"samples/step_{done:05d}.json")
             state.history.append(metrics)
-            state.artifacts.step_done(step + 1, metrics)
+            state.artifacts.step_done(done, metrics)
             logger.info(_progress_line(step, trainer.total_steps, metrics))
-        summary["val_reward_end"] = state.history[-1]["val/reward/mean"]
+        # the last step validated already; a run resumed after its last step reads the stored result
+        end = state.history[-1] if state.history else state.run(validate_task, trainer.total_steps)
+        summary["val_reward_end"] = end["val/reward/mean"]
         latest = layout_for(config).latest_weights("actor")
         if latest:
             state.tracker.log_model_folder(latest[1])  # the final policy, as MLflow artifacts under model/

@@ -25,9 +25,9 @@ HEARTBEAT_INTERVAL_S = 1.0
 
 ROLE_STAGES: dict[str, tuple[str, ...]] = {
     "rollout": ("rollout", "validate"),
-    "actor": ("old_logprobs", "update_actor", "warm_start"),
+    "actor": ("old_logprobs", "update_actor", "warm_start", "checkpoint_actor"),
     "reference": ("reference",),
-    "critic": ("values", "update_critic"),
+    "critic": ("values", "update_critic", "checkpoint_critic"),
     "reward": ("reward",),
 }
 """Which stages each role's worker serves; `advantages` is driver math and runs in the flow."""
