@@ -14,7 +14,7 @@ from flows.artifacts import PrefectArtifacts
 from flows.config import Config, ConfigError
 from flows.dispatch import RemoteStage
 from flows.resume import (commit_checkpoint, driver_state, finished_stage_metrics, latest_checkpoint,
-                          read_run_record, record_stage_metrics, write_run_record)
+                          read_run_record, record_stage_metrics, run_record_path, write_run_record)
 from flows.roles import layout_for, release_run
 from flows.system_metrics import start_system_metrics
 from flows.tracking import Tracker
@@ -85,6 +85,22 @@ class RunState:
             self.wait(pending)
         commit_checkpoint(layout_for(self.config), step, {"kl_controller": self.kl_controller.state_dict()},
                           keep=self.config.trainer.keep_checkpoints)
+
+
+def for_this_flow_run(config: Config) -> Config:
+    """The run's final name (run.name_timestamp) and whether to resume (Prefect retrying the flow run)."""
+    from prefect.runtime import flow_run
+
+    run = config.run
+    if run.name_timestamp and not run.resume:
+        # The scheduled time, not the clock: a retried flow run must find the same folder.
+        start = flow_run.scheduled_start_time or datetime.datetime.now(datetime.timezone.utc)
+        run = run.model_copy(update={"name": f"{run.name}-{start:%Y%m%d-%H%M%S}", "name_timestamp": False})
+    config = config.model_copy(update={"run": run})
+    layout = layout_for(config)
+    if (flow_run.run_count or 1) > 1 and not run.resume and layout.exists(run_record_path(layout)):
+        config = config.model_copy(update={"run": run.model_copy(update={"resume": True})})
+    return config
 
 
 def start_run(config: Config) -> RunState:

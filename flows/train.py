@@ -18,7 +18,6 @@ Tasks are thin wrappers of `flows.stages` functions and pass only storage paths 
 
 from __future__ import annotations
 
-import datetime
 import functools
 import os
 import time
@@ -28,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows import stages
 from flows.config import Config
-from flows.driver import RunState, start_run
+from flows.driver import RunState, for_this_flow_run, start_run
 from flows.roles import layout_for, release_run
 from flows.system_metrics import stop_system_metrics
 
@@ -126,15 +125,7 @@ def _checkpoint_tasks(config: Config) -> list:
 def train(config: Config) -> dict:
     """Train a causal LM with PPO/GRPO; return the final validation reward and where to look."""
     logger = get_run_logger()
-    from prefect.runtime import flow_run
-
-    if (flow_run.run_count or 1) > 1 and not config.run.resume:
-        # Prefect retrying this flow run (flow retries, or a retry from the UI): continue the run.
-        config = config.model_copy(update={"run": config.run.model_copy(update={"resume": True})})
-    elif config.run.name_timestamp and not config.run.resume:
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        config = config.model_copy(update={"run": config.run.model_copy(
-            update={"name": f"{config.run.name}-{stamp}", "name_timestamp": False})})
+    config = for_this_flow_run(config)
     state = start_run(config)
     trainer = config.trainer
     status = "FAILED"
