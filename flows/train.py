@@ -158,9 +158,11 @@ def train(config: Config) -> dict:
         # the last step validated already; a run resumed after its last step reads the stored result
         end = state.history[-1] if state.history else state.run(validate_task, trainer.total_steps)
         summary["val_reward_end"] = end["val/reward/mean"]
-        latest = layout_for(config).latest_weights("actor")
-        if latest:
-            state.tracker.log_model_folder(latest[1])  # the final policy, as MLflow artifacts under model/
+        from flows.export import export_run
+
+        # The final policy as a Hugging Face folder (weights + tokenizer), also as MLflow artifacts.
+        summary["export_dir"] = str(export_run(config.run.storage_root, config.run.name))
+        state.tracker.log_model_folder(summary["export_dir"])
         status = "FINISHED"
         return summary
     finally:
