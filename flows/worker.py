@@ -51,9 +51,18 @@ class Heartbeat:
         self.state = {"role": role, "host": socket.gethostname(), "pid": os.getpid(), "devices": devices,
                       "started": time.time(), "running": [], "finished": [], "load_counts": {}}
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # the beat thread and the stage thread both write
         self._stop = threading.Event()
 
     def write(self) -> None:
+        """Write the heartbeat file atomically; a storage error is left to the next beat."""
+        try:
+            with self._write_lock:
+                self._write()
+        except OSError as error:
+            print(f"heartbeat write failed (retried next beat): {error}", flush=True)
+
+    def _write(self) -> None:
         from flows.roles import LOAD_COUNTS
 
         torch = sys.modules.get("torch")  # only if this worker already uses it: never import it here
@@ -72,10 +81,7 @@ class Heartbeat:
     def start(self) -> None:
         def loop() -> None:
             while not self._stop.wait(HEARTBEAT_INTERVAL_S):
-                try:
-                    self.write()
-                except OSError:  # a storage hiccup must not kill the worker; the next beat retries
-                    pass
+                self.write()
 
         self.write()
         threading.Thread(target=loop, name="rlhf-heartbeat", daemon=True).start()

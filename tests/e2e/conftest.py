@@ -24,3 +24,26 @@ def tiny_inputs(tmp_path_factory):
     model = build_tiny_model(root / "model")
     data = write_arithmetic_dataset(root / "data", train_size=64, validation_size=16, high=49)
     return {"model": str(model), "train": str(data["train"]), "validation": str(data["validation"])}
+
+
+@pytest.fixture(scope="session")
+def make_config(tiny_inputs):
+    """A tiny run config (4 prompts x 4 samples, 4 new tokens, CPU) with section overrides merged in."""
+    from flows.config import build_config
+
+    def make(tmp_path, name, experiment="e2e", **sections):
+        data = {
+            "run": {"name": name, "storage_root": str(tmp_path / "runs")},
+            "model": {"path": tiny_inputs["model"]},
+            "data": {"train_files": [tiny_inputs["train"]], "val_files": [tiny_inputs["validation"]],
+                     "max_prompt_length": 16, "prompts_per_step": 4},
+            "rollout": {"n": 4, "max_new_tokens": 4},
+            "actor": {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "optim": {"lr": 1e-4}},
+            "trainer": {"total_steps": 2, "val_every": 1, "device": "cpu"},
+            "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": experiment},
+        }
+        for section, values in sections.items():
+            data.setdefault(section, {}).update(values)
+        return build_config(data)
+
+    return make

@@ -6,35 +6,25 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.compare import compare_runs
-from flows.config import build_config
 
 pytestmark = pytest.mark.e2e
 
 COMPARED = ("critic/score/mean", "val/reward/mean")
 
 
-def _config(tmp_path, tiny_inputs, name, estimator):
-    return build_config({
-        "run": {"name": name, "storage_root": str(tmp_path / "runs")},
-        "model": {"path": tiny_inputs["model"]},
-        "data": {"train_files": [tiny_inputs["train"]], "val_files": [tiny_inputs["validation"]],
-                 "max_prompt_length": 16, "prompts_per_step": 4},
-        "rollout": {"n": 4, "max_new_tokens": 4},
-        "actor": {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "optim": {"lr": 1e-4}},
-        "algorithm": {"adv_estimator": estimator},
-        "trainer": {"total_steps": 2, "val_every": 1, "samples_every": 1, "device": "cpu"},
-        "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "e2e-compare"},
-    })
+def _config(make_config, tmp_path, name, estimator):
+    return make_config(tmp_path, name, "e2e-compare", algorithm={"adv_estimator": estimator},
+                       trainer={"total_steps": 2, "val_every": 1, "samples_every": 1, "device": "cpu"})
 
 
 @pytest.fixture(scope="module")
-def two_runs(prefect_api, tiny_inputs, tmp_path_factory):
+def two_runs(prefect_api, tiny_inputs, tmp_path_factory, make_config):
     from flows.train import train
 
     tmp_path = tmp_path_factory.mktemp("compare")
     ids = {}
     for name, estimator in (("cmp-grpo", "grpo"), ("cmp-rloo", "rloo")):
-        state = train(_config(tmp_path, tiny_inputs, name, estimator), return_state=True)
+        state = train(_config(make_config, tmp_path, name, estimator), return_state=True)
         assert state.is_completed(), state
         ids[name] = state.result()["mlflow_run_id"]
     return f"sqlite:///{tmp_path}/mlflow.db", ids, tmp_path

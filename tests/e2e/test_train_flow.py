@@ -7,7 +7,6 @@ import math
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.config import build_config
 from flows.roles import LOAD_COUNTS
 from storage import RunLayout, read_stage, validate_stage_file
 
@@ -16,21 +15,14 @@ pytestmark = pytest.mark.e2e
 PROMPTS, SAMPLES = 4, 4
 
 
-def _config(tmp_path, tiny_inputs, name, **sections):
-    data = {
-        "run": {"name": name, "storage_root": str(tmp_path / "runs")},
-        "model": {"path": tiny_inputs["model"]},
-        "data": {"train_files": [tiny_inputs["train"]], "val_files": [tiny_inputs["validation"]],
-                 "max_prompt_length": 16, "prompts_per_step": PROMPTS},
-        "rollout": {"n": SAMPLES, "max_new_tokens": 4},
-        "actor": {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "optim": {"lr": 1e-4}},
-        "warm_start": {"steps": 3, "batch_size": 8},
-        "trainer": {"total_steps": 2, "val_every": 1, "samples_every": 1, "device": "cpu"},
-        "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "e2e"},
-    }
-    for section, values in sections.items():
-        data.setdefault(section, {}).update(values)
-    return build_config(data)
+@pytest.fixture
+def _config(make_config):
+    def make(tmp_path, tiny_inputs, name, **sections):
+        sections.setdefault("warm_start", {"steps": 3, "batch_size": 8})
+        sections.setdefault("trainer", {"total_steps": 2, "val_every": 1, "samples_every": 1, "device": "cpu"})
+        return make_config(tmp_path, name, "e2e", **sections)
+
+    return make
 
 
 def _run(config):
@@ -51,7 +43,7 @@ def _task_names(flow_run_id) -> list[str]:
     return [run.task_key.split("-")[0] if False else run.name.rsplit("-", 1)[0] for run in runs]
 
 
-def test_grpo_flow_writes_every_stage_and_tracks_in_mlflow(prefect_api, tmp_path, tiny_inputs):
+def test_grpo_flow_writes_every_stage_and_tracks_in_mlflow(prefect_api, tmp_path, tiny_inputs, _config):
     config = _config(tmp_path, tiny_inputs, "grpo", actor={"use_kl_loss": True, "ppo_mini_batch_size": 8,
                                                             "micro_batch_size": 4})
     loads_before = dict(LOAD_COUNTS)
@@ -120,7 +112,7 @@ def _check_prefect_artifacts(mlflow_client, mlflow_run_id):
         assert mlflow_run_id in latest("grpo-mlflow").data
 
 
-def test_ppo_flow_with_critic_and_adaptive_kl_penalty(prefect_api, tmp_path, tiny_inputs):
+def test_ppo_flow_with_critic_and_adaptive_kl_penalty(prefect_api, tmp_path, tiny_inputs, _config):
     config = _config(tmp_path, tiny_inputs, "ppo",
                      algorithm={"adv_estimator": "gae", "use_kl_in_reward": True, "gamma": 1.0, "lam": 0.95,
                                 "kl_ctrl": {"type": "adaptive", "kl_coef": 0.05, "target_kl": 0.01, "horizon": 100}},
@@ -143,7 +135,7 @@ def test_ppo_flow_with_critic_and_adaptive_kl_penalty(prefect_api, tmp_path, tin
     assert names.count("values") == 2 and names.count("update_critic") == 2
 
 
-def test_existing_run_folder_is_refused_before_any_model_loads(prefect_api, tmp_path, tiny_inputs):
+def test_existing_run_folder_is_refused_before_any_model_loads(prefect_api, tmp_path, tiny_inputs, _config):
     from flows.config import ConfigError
     from flows.train import train
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import build_config
 from flows.run import worker_pool
 from flows.worker import ROLE_STAGES, read_heartbeats
 from storage import RunLayout, read_stage
@@ -21,22 +20,15 @@ pytestmark = pytest.mark.e2e
 PROMPTS, SAMPLES = 4, 4
 
 
-def _config(tmp_path, tiny_inputs, name, **sections):
-    data = {
-        "run": {"name": name, "storage_root": str(tmp_path / "runs")},
-        "model": {"path": tiny_inputs["model"]},
-        "data": {"train_files": [tiny_inputs["train"]], "val_files": [tiny_inputs["validation"]],
-                 "max_prompt_length": 16, "prompts_per_step": PROMPTS},
-        "rollout": {"n": SAMPLES, "max_new_tokens": 4},
-        "actor": {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "use_kl_loss": True},
-        "placement": {"default": "cpu"},
-        "trainer": {"total_steps": 2, "val_every": 1, "device": "cpu", "execution": "workers",
-                    "worker_timeout_s": 4},
-        "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "workers"},
-    }
-    for section, values in sections.items():
-        data.setdefault(section, {}).update(values)
-    return build_config(data)
+@pytest.fixture
+def _config(make_config):
+    def make(tmp_path, tiny_inputs, name, **sections):
+        sections.setdefault("actor", {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "use_kl_loss": True})
+        return make_config(tmp_path, name, "workers", placement={"default": "cpu"},
+                           trainer={"total_steps": 2, "val_every": 1, "device": "cpu", "execution": "workers",
+                                    "worker_timeout_s": 4}, **sections)
+
+    return make
 
 
 def _train_with_workers(config, prefect_api, during=None):
@@ -53,7 +45,8 @@ def _train_with_workers(config, prefect_api, during=None):
         return state, beats, pool
 
 
-def test_each_stage_runs_in_its_role_worker_which_loads_its_model_once(prefect_api, tmp_path, tiny_inputs):
+def test_each_stage_runs_in_its_role_worker_which_loads_its_model_once(prefect_api, tmp_path, tiny_inputs,
+                                                                        _config):
     config = _config(tmp_path, tiny_inputs, "workers")
     state, beats, pool = _train_with_workers(config, prefect_api)
     assert state.is_completed(), state
@@ -70,7 +63,7 @@ def test_each_stage_runs_in_its_role_worker_which_loads_its_model_once(prefect_a
 
 
 def test_a_worker_killed_mid_stage_is_replaced_and_no_sample_is_lost(prefect_api, tmp_path, tiny_inputs,
-                                                                       monkeypatch):
+                                                                       monkeypatch, _config):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     config = _config(tmp_path, tiny_inputs, "killed", reward={"function": "slow_reward:exact_match_slowly"})
     killed = []
