@@ -9,7 +9,7 @@ import yaml
 
 from pydantic import BaseModel
 
-from flows.config import Config, ConfigError, Section, build_config, flatten, load_config, parse_override
+from flows.config import Config, ConfigError, build_config, flatten, load_config, parse_override
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
