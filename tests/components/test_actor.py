@@ -11,18 +11,13 @@ from components.batch import build_sequence_batch
 from components.models import load_causal_lm, load_tokenizer
 from components.reference import Reference
 from components.rollout import HFRolloutEngine, SamplingParams
-from components.tiny import TinyModelSpec, build_tiny_model
+from components.tiny import TinyModelSpec
 from flows.config import ActorConfig, OptimConfig
 
 SPEC = TinyModelSpec(hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128,
                      num_hidden_layers=1)
 PROMPTS = [[49, 50, 43, 51, 52, 61], [55], [40, 41, 42], [33, 34]]
 RESPONSES = [[100, 101], [10, 20, 30, 40, 256], [7], [60, 61, 62]]
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return str(build_tiny_model(tmp_path_factory.mktemp("m"), SPEC))
 
 
 @pytest.fixture(scope="module")

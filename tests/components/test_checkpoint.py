@@ -11,15 +11,7 @@ import torch
 from components.actor import Actor
 from components.batch import build_sequence_batch
 from components.checkpoint import load_trainer_state, save_role_checkpoint
-from components.tiny import TinyModelSpec, build_tiny_model
 from flows.config import ActorConfig
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    spec = TinyModelSpec(hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128,
-                         num_hidden_layers=1)
-    return str(build_tiny_model(tmp_path_factory.mktemp("model"), spec))
 
 
 def _trained_actor(model_path):

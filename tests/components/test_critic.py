@@ -6,18 +6,13 @@ import torch
 from components.batch import build_sequence_batch
 from components.critic import Critic, response_values
 from components.models import load_tokenizer
-from components.tiny import TinyModelSpec, build_tiny_model
+from components.tiny import TinyModelSpec
 from flows.config import CriticConfig, OptimConfig
 
 SPEC = TinyModelSpec(hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128,
                      num_hidden_layers=1)
 PROMPTS = [[49, 50, 43, 51, 52, 61], [55], [40, 41, 42], [33, 34]]
 RESPONSES = [[100, 101], [10, 20, 30, 40, 256], [7], [60, 61, 62]]
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return str(build_tiny_model(tmp_path_factory.mktemp("m"), SPEC))
 
 
 @pytest.fixture(scope="module")

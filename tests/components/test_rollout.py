@@ -18,11 +18,6 @@ PROMPTS = [[49, 50, 43, 51, 52, 61], [55], [40, 41, 42]]
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return str(build_tiny_model(tmp_path_factory.mktemp("m"), SPEC))
-
-
-@pytest.fixture(scope="module")
 def other_path(tmp_path_factory):
     """Same architecture, different random weights."""
     spec = TinyModelSpec(hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128,

@@ -6,15 +6,10 @@ import torch
 from components.models import load_causal_lm, load_tokenizer
 from components.rollout import HFRolloutEngine, SamplingParams
 from components.sft import warm_start
-from components.tiny import TinyModelSpec, build_tiny_model
+from components.tiny import TinyModelSpec
 
 SPEC = TinyModelSpec(hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128,
                      num_hidden_layers=1)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return str(build_tiny_model(tmp_path_factory.mktemp("m"), SPEC))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.config import build_config
 from storage import RunLayout
 
 pytestmark = pytest.mark.e2e
@@ -23,23 +22,18 @@ pytestmark = pytest.mark.e2e
 STEPS = 3
 
 
-def _config(tmp_path, tiny_inputs, name, **extra):
-    data = {
-        "run": {"name": name, "storage_root": str(tmp_path / "runs")},
-        "model": {"path": tiny_inputs["model"]},
-        "data": {"train_files": [tiny_inputs["train"]], "val_files": [tiny_inputs["validation"]],
-                 "max_prompt_length": 16, "prompts_per_step": 4},
-        "rollout": {"n": 4, "max_new_tokens": 4},
-        "actor": {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "use_kl_loss": True, "optim": {"lr": 1e-3}},
-        "critic": {"ppo_mini_batch_size": 8, "micro_batch_size": 4},
-        "algorithm": {"adv_estimator": "gae"},
-        "warm_start": {"steps": 2, "batch_size": 8},
-        "trainer": {"total_steps": STEPS, "val_every": 1, "device": "cpu"},
-        "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "resume"},
-    }
-    for section, values in extra.items():
-        data.setdefault(section, {}).update(values)
-    return build_config(data)
+@pytest.fixture(scope="session")
+def _config(make_config):
+    """PPO with a critic, a warm-start and a KL loss: every stage kind takes part."""
+    def make(tmp_path, tiny_inputs, name):
+        return make_config(tmp_path, name, "resume",
+                           actor={"ppo_mini_batch_size": 8, "micro_batch_size": 4, "use_kl_loss": True,
+                                  "optim": {"lr": 1e-3}},
+                           critic={"ppo_mini_batch_size": 8, "micro_batch_size": 4},
+                           algorithm={"adv_estimator": "gae"}, warm_start={"steps": 2, "batch_size": 8},
+                           trainer={"total_steps": STEPS, "val_every": 1, "device": "cpu"})
+
+    return make
 
 
 def _train(config):
@@ -77,7 +71,7 @@ def _fingerprint(config) -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(prefect_api, tmp_path_factory, tiny_inputs):
+def uninterrupted(prefect_api, tmp_path_factory, tiny_inputs, _config):
     tmp_path = tmp_path_factory.mktemp("baseline")
     config = _config(tmp_path, tiny_inputs, "baseline")
     assert _train(config).is_completed()
@@ -87,7 +81,7 @@ def uninterrupted(prefect_api, tmp_path_factory, tiny_inputs):
 @pytest.mark.parametrize("stage", ["warm_start", "rollout", "reward", "reference", "values", "old_logprobs",
                                    "advantages", "update_actor", "update_critic", "validate", "checkpoint_actor"])
 def test_a_run_failing_in_any_stage_resumes_to_the_same_result(stage, uninterrupted, prefect_api, tmp_path,
-                                                                 tiny_inputs, monkeypatch):
+                                                                 tiny_inputs, monkeypatch, _config):
     config = _config(tmp_path, tiny_inputs, "baseline")
     monkeypatch.setenv("RLHF_INJECT_FAILURE", f"{stage}:{None if stage == 'warm_start' else 1}")
     assert _train(config).is_failed()
@@ -97,7 +91,7 @@ def test_a_run_failing_in_any_stage_resumes_to_the_same_result(stage, uninterrup
 
 
 def test_a_truncated_stage_file_is_recomputed_not_used(uninterrupted, prefect_api, tmp_path, tiny_inputs,
-                                                      monkeypatch):
+                                                      monkeypatch, _config):
     config = _config(tmp_path, tiny_inputs, "baseline")
     monkeypatch.setenv("RLHF_INJECT_FAILURE", "update_actor:1")
     assert _train(config).is_failed()
@@ -108,11 +102,10 @@ def test_a_truncated_stage_file_is_recomputed_not_used(uninterrupted, prefect_ap
     assert _fingerprint(config) == uninterrupted
 
 
-def test_a_driver_killed_mid_step_resumes(uninterrupted, prefect_api, tmp_path, tiny_inputs):
+def test_a_driver_killed_mid_step_resumes(uninterrupted, prefect_api, tmp_path, tiny_inputs, _config):
     import yaml
 
-    config = _config(tmp_path, tiny_inputs, "baseline", trainer={"total_steps": STEPS, "val_every": 1,
-                                                                 "device": "cpu"})
+    config = _config(tmp_path, tiny_inputs, "baseline")
     config_file = tmp_path / "config.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     env = dict(os.environ, PREFECT_API_URL=prefect_api, PYTHONPATH=str(Path(__file__).parents[2]))
