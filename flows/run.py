@@ -67,12 +67,21 @@ def plan_placement(config: Config) -> dict[str, object]:
         print(f"warning: {warning}")
     report.raise_if_failed()
     assignments = {role: report.assignments[role] for role in roles_in_use(config)}
+    spanning = SHARDED_ROLES + (("rollout",) if rollout_uses_tensor_parallel(config) else ())
     for role, devices in assignments.items():
-        if devices != "cpu" and len(devices) > 1 and role not in SHARDED_ROLES:
-            # Tensor-parallel rollout and sharded reference/reward are not built: a second GPU would idle.
-            raise ValueError(f"placement.roles.{role}={devices}: only {' and '.join(SHARDED_ROLES)} may span "
-                             "several GPUs (FSDP); give this role one GPU")
+        if devices != "cpu" and len(devices) > 1 and role not in spanning:
+            # Sharded reference/reward are not built, nor tensor-parallel transformers generation: a second
+            # GPU would idle.
+            raise ValueError(f"placement.roles.{role}={devices}: only {', '.join(spanning)} may span several GPUs "
+                             "(FSDP for actor and critic, tensor parallelism for a vLLM rollout); give this role one GPU")
     return assignments
+
+
+def rollout_uses_tensor_parallel(config: Config) -> bool:
+    """A rollout on several GPUs is one tensor-parallel vLLM engine (needs the CUDA build of vLLM)."""
+    from components.vllm_rollout import installed_vllm
+
+    return config.rollout.engine in ("auto", "vllm") and installed_vllm() == "vllm"
 
 
 @contextlib.contextmanager

@@ -112,9 +112,12 @@ def rollout(config: Config, step: int) -> StageResult:
     prompts = [records[index] for index in sampler.batch_indices(step)]
     params = SamplingParams(n=config.rollout.n, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                             top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens,
-                            seed=config.trainer.seed * 1_000_003 + step)
+                            min_new_tokens=config.rollout.min_new_tokens, ignore_eos=config.rollout.ignore_eos,
+                            stop=tuple(config.rollout.stop), seed=config.trainer.seed * 1_000_003 + step)
+    engine = get_role(config, "rollout")
     with timed(metrics, "gen"):
-        generations = get_role(config, "rollout").generate([p.prompt_ids for p in prompts], params)
+        generations = engine.generate([p.prompt_ids for p in prompts], params)
+    metrics.update(getattr(engine, "last_metrics", {}))
     columns = {
         "uid": [f"s{step}-p{g.prompt_index}-n{g.sample_index}" for g in generations],
         "group_id": [f"s{step}-p{g.prompt_index}" for g in generations],
@@ -132,6 +135,7 @@ def rollout(config: Config, step: int) -> StageResult:
     metrics["response_length/clip_ratio"] = sum(g.finish_reason == "length" for g in generations) / len(generations)
     metrics.update(_stats("prompt_length", torch.tensor([float(len(p.prompt_ids)) for p in prompts])))
     metrics["perf/gen_tokens"] = float(lengths.sum())
+    metrics["perf/gen_tokens_per_s"] = float(lengths.sum()) / max(metrics["timing_s/gen"], 1e-9)
     return {"path": path, "metrics": metrics}
 
 
@@ -281,7 +285,8 @@ def evaluate(config: Config, engine, records) -> tuple[dict, dict[str, float]]:
     """Generate once per validation prompt (val_temperature) and score; return columns and metrics."""
     records = records[: config.data.max_val_prompts] if config.data.max_val_prompts else records
     params = SamplingParams(n=1, temperature=config.rollout.val_temperature, top_p=config.rollout.top_p,
-                            max_new_tokens=config.rollout.max_new_tokens, seed=config.trainer.seed)
+                            max_new_tokens=config.rollout.max_new_tokens, stop=tuple(config.rollout.stop),
+                            seed=config.trainer.seed)
     generations = engine.generate([r.prompt_ids for r in records], params)
     texts = [g.text for g in generations]
     scores = _score(config, [r.prompt_text for r in records], texts, [r.ground_truth for r in records],

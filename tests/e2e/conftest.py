@@ -37,7 +37,8 @@ def make_config(tiny_inputs):
             "model": {"path": tiny_inputs["model"]},
             "data": {"train_files": [tiny_inputs["train"]], "val_files": [tiny_inputs["validation"]],
                      "max_prompt_length": 16, "prompts_per_step": 4},
-            "rollout": {"n": 4, "max_new_tokens": 4},
+            # transformers generation: fast to start; the vLLM engine has its own end-to-end test.
+            "rollout": {"n": 4, "max_new_tokens": 4, "engine": "hf"},
             "actor": {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "optim": {"lr": 1e-4}},
             "trainer": {"total_steps": 2, "val_every": 1, "device": "cpu"},
             "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": experiment},

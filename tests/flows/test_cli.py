@@ -168,7 +168,7 @@ def test_error_in_process(capsys):
     assert main(["config", "show", str(REPO / QUICKSTART), "rollout.engine=foo"]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert err == "error: rollout.engine='foo': Input should be 'hf'\n"
+    assert err == "error: rollout.engine='foo': Input should be 'auto', 'vllm' or 'hf'\n"
 
 
 def test_invalid_yaml_is_one_line(tmp_path):

@@ -399,7 +399,7 @@ def test_json_schema_builds():
     optim = schema["$defs"]["OptimConfig"]["properties"]
     assert optim["lr"]["default"] == 1e-5
     assert optim["lr"]["exclusiveMinimum"] == 0
-    assert schema["$defs"]["RolloutConfig"]["properties"]["engine"]["const"] == "hf"
+    assert schema["$defs"]["RolloutConfig"]["properties"]["engine"]["enum"] == ["auto", "vllm", "hf"]
     assert schema["$defs"]["ModelConfig"]["properties"]["dtype"]["enum"] == ["float32", "bfloat16", "float16"]
     # Field docstrings are not in the schema (use_attribute_docstrings is not set), so no check on
     # "description" of the fields here.

@@ -1,0 +1,218 @@
+"""Training-step throughput of the product on a Qwen2.5-0.5B-shaped model, with fixed knobs.
+
+    python bench/step.py --algorithm grpo --gpus 1            # every role on one GPU, one process
+    python bench/step.py --algorithm ppo --gpus 1
+    python bench/step.py --algorithm grpo --gpus 2            # rollout on GPU 0, training roles on GPU 1
+    python bench/step.py --table out/*.json                   # one table from saved results (TRL's too)
+
+Knobs (defaults): 64 prompts x 8 samples, 256 prompt tokens, 512 response tokens (fixed length:
+ignore_eos), one optimizer step per training step (mini-batch = 512 samples), micro-batch 16, bf16,
+random weights, rule reward. GRPO runs no reference model (no KL term, like TRL's default beta=0);
+PPO adds the critic (GAE). It runs the real flow (Prefect, MLflow, Parquet stages; vLLM rollout)
+through `flows.run.run_training` and reads the per-stage timings back from MLflow.
+
+Reported: per-stage seconds and step seconds (mean over the steps after --warmup), generated
+tokens/s and samples/s, the actor update's model FLOPs utilisation against the bf16 matmul rate
+measured on this GPU (FLOPs from bench/common.train_flops_per_token), and each GPU's peak used
+memory (NVML, sampled every 0.2 s: includes vLLM's reservation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (  # noqa: E402
+    emit,
+    machine_info,
+    make_random_model,
+    markdown_table,
+    measure_bf16_matmul_tflops,
+    train_flops_per_token,
+)
+from bench.rollout import write_fixed_prompts  # noqa: E402
+
+STAGES = ("gen", "weight_sync", "reward", "old_log_prob", "ref", "values", "adv", "update_actor", "update_critic",
+          "save_weights")
+
+
+class GpuMemorySampler:
+    """Peak used memory of every visible GPU (NVML), whatever process holds it."""
+
+    def __init__(self, interval_s: float = 0.2):
+        self.interval_s, self.peaks, self._stop = interval_s, {}, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            import pynvml
+
+            from components.devices import inventory_from_system
+
+            pynvml.nvmlInit()
+            gpus = inventory_from_system().gpus
+            handles = {gpu.index: pynvml.nvmlDeviceGetHandleByIndex(gpu.physical_index) for gpu in gpus}
+        except Exception as error:  # noqa: BLE001 - a benchmark without memory numbers still has its timings
+            print(f"GPU memory sampling off: {error}")
+            return
+        while not self._stop.is_set():
+            for index, handle in handles.items():
+                used = pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
+                self.peaks[index] = max(self.peaks.get(index, 0.0), used)
+            time.sleep(self.interval_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def product_config(args, model_dir: Path, data: Path, work: Path) -> dict:
+    grpo = args.algorithm == "grpo"
+    config = {
+        "run": {"name": f"bench-{args.algorithm}-{args.gpus}gpu", "storage_root": str(work / "runs")},
+        "model": {"path": str(model_dir), "dtype": "bfloat16" if args.device == "cuda" else "float32",
+                  "attn_implementation": args.attn},
+        "data": {"train_files": [str(data)], "val_files": [str(data)], "max_prompt_length": args.prompt_tokens,
+                 "prompts_per_step": args.prompts, "max_val_prompts": 8},
+        "rollout": {"engine": "vllm", "n": args.n, "max_new_tokens": args.response_tokens, "ignore_eos": True,
+                    "temperature": 1.0, **({} if args.device == "cuda" else {"kv_cache_gib": 1.0})},
+        "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": args.prompts * args.n,
+                  "micro_batch_size": args.micro_batch, "use_kl_loss": False},
+        "critic": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": args.prompts * args.n,
+                   "micro_batch_size": args.micro_batch},
+        "algorithm": {"adv_estimator": "grpo" if grpo else "gae"},
+        "trainer": {"total_steps": args.warmup + args.steps, "val_every": 0, "checkpoint_every": 0,
+                    "device": args.device, "execution": "local" if args.gpus == 1 else "workers"},
+        "tracking": {"tracking_uri": f"sqlite:///{work}/mlflow.db", "experiment": "bench"},
+    }
+    if args.gpus == 2:
+        training = ["actor"] if grpo else ["actor", "critic"]
+        config["placement"] = {"roles": {"rollout": [0], **{role: [1] for role in training}, "reward": "cpu"},
+                               "colocate": [training] if len(training) > 1 else []}
+    return config
+
+
+def run_product(args) -> dict:
+    from mlflow.tracking import MlflowClient
+
+    from flows.config import build_config
+    from flows.run import run_training
+
+    model_dir = make_random_model(args.model_dir or f"/tmp/rlhf-bench-models/{args.preset}", args.preset)
+    work = Path(tempfile.mkdtemp(prefix="rlhf-bench-step-"))
+    from components.models import load_tokenizer
+
+    data = work / "data" / "train.parquet"
+    write_fixed_prompts(data, args.prompts, args.prompt_tokens, load_tokenizer(str(model_dir)))
+    config = build_config(product_config(args, model_dir, data, work))
+    peak_tflops = measure_bf16_matmul_tflops() if args.device == "cuda" else None
+    started = time.perf_counter()
+    with GpuMemorySampler() as memory:
+        summary, _ = run_training(config, start_workers=args.gpus > 1)
+    wall_s = time.perf_counter() - started
+
+    client = MlflowClient(config.tracking.tracking_uri)
+    run_id = summary["mlflow_run_id"]
+
+    def after_warmup(name: str) -> list[float]:
+        history = sorted(client.get_metric_history(run_id, name), key=lambda m: m.step)
+        return [m.value for m in history if m.step > args.warmup]
+
+    steps = after_warmup("timing_s/step")
+    step_s = statistics.mean(steps)
+    stages = {name: statistics.mean(values) for name in STAGES if (values := after_warmup(f"timing_s/{name}"))}
+    samples = args.prompts * args.n
+    generated = samples * args.response_tokens
+    from transformers import AutoConfig
+
+    flops = train_flops_per_token(AutoConfig.from_pretrained(model_dir), args.prompt_tokens + args.response_tokens) \
+        * samples * (args.prompt_tokens + args.response_tokens)
+    update_s = stages.get("update_actor")
+    result = {
+        "bench": "step", "system": "product", "algorithm": args.algorithm, "gpus": args.gpus,
+        "step_s": step_s, "step_s_all": steps, "stage_s": stages,
+        "gen_tokens_per_s": generated / step_s, "samples_per_s": samples / step_s,
+        "update_tflops": flops / update_s / 1e12 if update_s else None,
+        "matmul_peak_tflops": peak_tflops,
+        "update_mfu": flops / update_s / 1e12 / peak_tflops if update_s and peak_tflops else None,
+        "gpu_peak_used_gib": memory.peaks, "wall_s": wall_s, "args": vars(args), "machine": machine_info(),
+        "logprob_diff_mean": after_warmup("rollout/logprob_diff_mean"),
+    }
+    return result
+
+
+def label(result: dict) -> str:
+    if result.get("bench") == "trl_grpo":
+        return "TRL GRPOTrainer, vLLM colocate, 1 GPU"
+    name = f"product {result['algorithm'].upper()}, {result['gpus']} GPU{'s' if result['gpus'] > 1 else ''}"
+    return name + (", one-step-ahead" if result["args"].get("async") else "")
+
+
+def table(results: list[dict]) -> str:
+    rows = []
+    for result in results:
+        if result.get("bench") == "trl_grpo":  # bench/trl_grpo.py's result
+            phases = result.get("phases_mean_s") or {}
+            tflops, peak = result.get("update_tflops_per_s"), result.get("bf16_matmul_tflops")
+            row = {"step s": result["mean_step_s"], "gen tok/s": result["generated_tokens_per_s"],
+                   "gen s": phases.get("vllm_generate_s"), "update s": phases.get("update_s"),
+                   "update MFU": tflops / peak if tflops and peak else None,
+                   "peaks": {0: result["peak_device_used_gib"]} if result.get("peak_device_used_gib") else {}}
+        else:
+            stages = result.get("stage_s", {})
+            row = {"step s": result["step_s"], "gen tok/s": result["gen_tokens_per_s"], "gen s": stages.get("gen"),
+                   "update s": stages.get("update_actor"), "update MFU": result.get("update_mfu"),
+                   "peaks": result.get("gpu_peak_used_gib") or {}}
+        rows.append({
+            "run": label(result), "step s": f"{row['step s']:.2f}", "gen tok/s": f"{row['gen tok/s']:,.0f}",
+            "gen s": f"{row['gen s']:.2f}" if row["gen s"] else "",
+            "update s": f"{row['update s']:.2f}" if row["update s"] else "",
+            "update MFU": f"{row['update MFU']:.3f}" if row["update MFU"] else "",
+            "peak GiB per GPU": " / ".join(f"{v:.1f}" for _, v in sorted(row["peaks"].items())),
+        })
+    return markdown_table(rows, ["run", "step s", "gen tok/s", "gen s", "update s", "update MFU", "peak GiB per GPU"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algorithm", choices=["grpo", "ppo"], default="grpo")
+    parser.add_argument("--gpus", type=int, choices=[1, 2], default=1)
+    parser.add_argument("--preset", default="qwen2.5-0.5b")
+    parser.add_argument("--model-dir", default=None)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--response-tokens", type=int, default=512)
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--attn", default="auto", help="model.attn_implementation")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps after the warm-up")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test of the script")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--table", nargs="*", help="print one table from these JSON results and exit")
+    args = parser.parse_args()
+    if args.table:
+        print(table([json.loads(Path(path).read_text()) for path in args.table]))
+        return
+    result = run_product(args)
+    print(table([result]))
+    print("stage seconds (mean after warm-up): " + ", ".join(f"{k} {v:.2f}" for k, v in result["stage_s"].items()))
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)

