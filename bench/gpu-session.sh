@@ -5,6 +5,7 @@
 #   bash bench/gpu-session.sh 3        phase 3: product GRPO, rollout on GPU 0 and training on GPU 1
 #   bash bench/gpu-session.sh 4        phase 4: bench/rollout.py with a tensor-parallel engine over both GPUs
 #   bash bench/gpu-session.sh 5        phase 5: bench/rollout.py alone on GPU 0
+#   bash bench/gpu-session.sh 6        phase 6: as phase 3, with trainer.one_step_ahead
 # Single-GPU runs of one phase share the host (CPUs, PCIe) but not a GPU. Results (JSON + log tails)
 # go to $OUT (default bench/results); the last line prints one table of every step result so far.
 set -uo pipefail
@@ -37,8 +38,9 @@ for phase in "$@"; do
     3) run grpo-2gpu 0,1 bench/step.py --algorithm grpo --gpus 2 ;;
     4) run rollout-tp2 0,1 bench/rollout.py --tp 2 ;;
     5) run rollout-1gpu 0 bench/rollout.py ;;
+    6) run grpo-2gpu-ahead 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
-results=$(ls "$OUT"/*gpu.json 2>/dev/null)
+results=$(ls "$OUT"/*gpu.json "$OUT"/*gpu-ahead.json 2>/dev/null)
 [ -n "$results" ] && "$PY" bench/step.py --table $results

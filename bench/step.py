@@ -13,7 +13,7 @@ through `flows.run.run_training` and reads the per-stage timings back from MLflo
 
 Reported: per-stage seconds and step seconds (mean over the steps after --warmup), generated
 tokens/s and samples/s, the actor update's model FLOPs utilisation against the bf16 matmul rate
-measured on this GPU (FLOPs from bench/common.train_flops_per_token), and each GPU's peak used
+measured on this GPU (FLOPs: `update_flops`, counted as bench/trl_grpo.py does), and each GPU's peak used
 memory (NVML, sampled every 0.2 s: includes vLLM's reservation).
 """
 
@@ -82,7 +82,8 @@ class GpuMemorySampler:
 def product_config(args, model_dir: Path, data: Path, work: Path) -> dict:
     grpo = args.algorithm == "grpo"
     config = {
-        "run": {"name": f"bench-{args.algorithm}-{args.gpus}gpu", "storage_root": str(work / "runs")},
+        "run": {"name": f"bench-{args.algorithm}-{args.gpus}gpu{'-ahead' if args.one_step_ahead else ''}",
+                "storage_root": str(work / "runs")},
         "model": {"path": str(model_dir), "dtype": "bfloat16" if args.device == "cuda" else "float32",
                   "attn_implementation": args.attn},
         "data": {"train_files": [str(data)], "val_files": [str(data)], "max_prompt_length": args.prompt_tokens,
@@ -95,6 +96,7 @@ def product_config(args, model_dir: Path, data: Path, work: Path) -> dict:
                    "micro_batch_size": args.micro_batch},
         "algorithm": {"adv_estimator": "grpo" if grpo else "gae"},
         "trainer": {"total_steps": args.warmup + args.steps, "val_every": 0, "checkpoint_every": 0,
+                    "one_step_ahead": args.one_step_ahead,
                     "device": args.device, "execution": "local" if args.gpus == 1 else "workers"},
         "tracking": {"tracking_uri": f"sqlite:///{work}/mlflow.db", "experiment": "bench"},
     }
@@ -103,6 +105,15 @@ def product_config(args, model_dir: Path, data: Path, work: Path) -> dict:
         config["placement"] = {"roles": {"rollout": [0], **{role: [1] for role in training}, "reward": "cpu"},
                                "colocate": [training] if len(training) > 1 else []}
     return config
+
+
+def update_flops(model_config, sequences: int, prompt_tokens: int, response_tokens: int) -> float:
+    """Model FLOPs of one update pass (forward + backward) over the batch: every position through the
+    body, the LM head only where a response token is predicted (the actor keeps only those logits, as
+    TRL does with logits_to_keep; bench/trl_grpo.py counts the same way)."""
+    seq_len = prompt_tokens + response_tokens
+    head = 6.0 * model_config.hidden_size * model_config.vocab_size
+    return sequences * (seq_len * (train_flops_per_token(model_config, seq_len) - head) + response_tokens * head)
 
 
 def run_product(args) -> dict:
@@ -138,8 +149,7 @@ def run_product(args) -> dict:
     generated = samples * args.response_tokens
     from transformers import AutoConfig
 
-    flops = train_flops_per_token(AutoConfig.from_pretrained(model_dir), args.prompt_tokens + args.response_tokens) \
-        * samples * (args.prompt_tokens + args.response_tokens)
+    flops = update_flops(AutoConfig.from_pretrained(model_dir), samples, args.prompt_tokens, args.response_tokens)
     update_s = stages.get("update_actor")
     result = {
         "bench": "step", "system": "product", "algorithm": args.algorithm, "gpus": args.gpus,
@@ -158,7 +168,7 @@ def label(result: dict) -> str:
     if result.get("bench") == "trl_grpo":
         return "TRL GRPOTrainer, vLLM colocate, 1 GPU"
     name = f"product {result['algorithm'].upper()}, {result['gpus']} GPU{'s' if result['gpus'] > 1 else ''}"
-    return name + (", one-step-ahead" if result["args"].get("async") else "")
+    return name + (", one-step-ahead" if result["args"].get("one_step_ahead") else "")
 
 
 def table(results: list[dict]) -> str:
@@ -198,6 +208,8 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--attn", default="auto", help="model.attn_implementation")
+    parser.add_argument("--one-step-ahead", action="store_true",
+                        help="trainer.one_step_ahead: the next step's rollout runs while this one trains (--gpus 2)")
     parser.add_argument("--steps", type=int, default=3, help="measured steps after the warm-up")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test of the script")

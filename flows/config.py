@@ -240,6 +240,10 @@ class TrainerConfig(Section):
     execution: Literal["local", "workers"] = "local"
     """local: every stage runs in the flow's process; workers: each role's stages run in that role's
     long-lived worker (`rlhf worker`, started for you by `rlhf run`)."""
+    one_step_ahead: bool = False
+    """Generate step k+1's rollout while step k trains, with the policy published before step k (one step
+    stale; the PPO ratio is taken against the actor's recomputed log-probs, as usual). Hides generation
+    behind training when the rollout has GPUs of its own; needs trainer.execution=workers."""
     worker_timeout_s: float = Field(15.0, gt=0)
     """A worker whose heartbeat is older than this is considered dead and its stage is resubmitted."""
     worker_wait_s: float = Field(300.0, gt=0)
@@ -290,6 +294,9 @@ class Config(Section):
             raise ValueError("algorithm.kl_ctrl: type=adaptive needs target_kl and horizon")
         if self.reward.kind == "model" and not self.reward.model_path:
             raise ValueError("reward.model_path: required when reward.kind=model")
+        if self.trainer.one_step_ahead and self.trainer.execution != "workers":
+            raise ValueError("trainer.one_step_ahead=true needs trainer.execution=workers (the rollout runs in its "
+                             "own worker, beside training); got trainer.execution=local")
         if self.rollout.min_new_tokens > self.rollout.max_new_tokens:
             raise ValueError(f"rollout.min_new_tokens={self.rollout.min_new_tokens} must be <= "
                              f"rollout.max_new_tokens={self.rollout.max_new_tokens}")

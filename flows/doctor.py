@@ -241,13 +241,47 @@ def collect_report(config=None, env: Mapping[str, str] | None = None) -> dict:
         "placement": (check_placement(config, inventory, env) if config is not None
                       else _check("skip", "no config given: `rlhf doctor CONFIG` validates its placement")),
     }
+    if config is not None:
+        report["rollout"] = rollout_engine_report(config, report["placement"], bool(inventory.gpus))
     report["failed"] = report_failed(report)
     return report
 
 
+def rollout_engine_report(config, placement: dict, has_gpus: bool) -> dict:
+    """Which generation engine the rollout role will use where it runs, and how (no model loads)."""
+    from components.vllm_rollout import installed_vllm, vllm_supports, vllm_version
+
+    if config.trainer.execution == "workers":
+        devices = (placement.get("assignments") or {}).get("rollout", "cpu")
+    else:
+        devices = "cpu" if config.trainer.device == "cpu" or not has_gpus else [0]
+    device = "cpu" if devices == "cpu" else "cuda"
+    engine = config.rollout.engine
+    if engine == "auto":
+        engine = "vllm" if vllm_supports(device) else "hf"
+    build = installed_vllm()
+    if engine == "hf":
+        why = "rollout.engine=hf" if config.rollout.engine == "hf" else f"no vLLM build for {device} installed"
+        return {"engine": "hf", "detail": f"transformers generate on {device} ({why})"}
+    if not vllm_supports(device):
+        return {"engine": "vllm", "status": "fail",
+                "detail": f"rollout.engine=vllm but the installed vLLM ({build or 'none'}) cannot run on {device}"}
+    version = vllm_version()
+    if device == "cpu":
+        return {"engine": "vllm", "detail": f"{version} on the CPU"}
+    tensor_parallel = config.rollout.tensor_parallel_size or (len(devices) if config.trainer.execution == "workers" else 1)
+    shares = config.trainer.execution == "local" or any(
+        "rollout" in group and len(group) > 1 for group in config.placement.colocate)
+    sleeps = config.rollout.sleep == "on" or (config.rollout.sleep == "auto" and shares)
+    return {"engine": "vllm", "detail": f"{version} on GPU {devices}, tensor parallel {tensor_parallel}, "
+                                        f"{'sleeps between generations' if sleeps else 'stays resident'}"}
+
+
+
 def report_failed(report: dict) -> bool:
     """True when something would fail: placement errors, storage or tracking unusable, Prefect down."""
-    return any(report[name]["status"] == "fail" for name in ("prefect", "tracking", "storage", "placement"))
+    return any(report[name]["status"] == "fail" for name in ("prefect", "tracking", "storage", "placement")) or \
+        report.get("rollout", {}).get("status") == "fail"
 
 
 def _format_gpus(report: dict) -> list[str]:
@@ -297,7 +331,11 @@ def format_report(report: dict) -> str:
     lines += ["", "Services"]
     for key, label in (("prefect", "Prefect API"), ("tracking", "MLflow"), ("storage", "storage root")):
         lines.append(f"  {MARKERS[report[key]['status']]}  {label:<13} {report[key]['detail']}")
-    lines += [""] + _format_placement(report["placement"]) + [""]
+    lines += [""] + _format_placement(report["placement"])
+    if "rollout" in report:
+        rollout = report["rollout"]
+        lines.append(f"  {MARKERS[rollout.get('status', 'ok')]}  rollout engine {rollout['engine']}: {rollout['detail']}")
+    lines += [""]
     failures = [key for key in ("prefect", "tracking", "storage", "placement") if report[key]["status"] == "fail"]
     lines.append(f"FAIL: {', '.join(failures)} (see the FAIL lines)" if failures else "ok: nothing would fail")
     return "\n".join(lines)

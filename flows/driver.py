@@ -38,6 +38,7 @@ class RunState:
     start_step: int = 0
     logged: dict[str, int] = field(default_factory=dict)  # metric -> last step MLflow holds (resumed run)
     history: list[dict[str, float]] = field(default_factory=list)
+    ahead: dict[int, Pending] = field(default_factory=dict)  # step -> its rollout, started a step early
 
     def run(self, stage_task, *args) -> dict[str, float]:
         """Run one stage and wait for it; return its metrics."""

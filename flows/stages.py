@@ -102,11 +102,15 @@ def sync_rollout_weights(config: Config, step: int) -> dict[str, float]:
     return metrics
 
 
-def rollout(config: Config, step: int) -> StageResult:
-    """Sample `rollout.n` responses for each of the step's prompts."""
+def rollout(config: Config, step: int, weights_step: int | None = None) -> StageResult:
+    """Sample `rollout.n` responses for each of the step's prompts, with the policy published for
+    `weights_step` (default: `step`; one step earlier under trainer.one_step_ahead)."""
     from components.data import PromptSampler
 
-    metrics = sync_rollout_weights(config, step)
+    policy_step = step if weights_step is None else weights_step
+    metrics = sync_rollout_weights(config, policy_step)
+    # How many updates behind the policy being trained this rollout's policy is (0: on-policy).
+    metrics["rollout/policy_lag"] = float(step - (get_role(config, "rollout").weights_version or 0))
     records = get_role(config, "train_prompts")
     sampler = PromptSampler(len(records), config.data.prompts_per_step, config.trainer.seed, config.data.shuffle)
     prompts = [records[index] for index in sampler.batch_indices(step)]

@@ -80,8 +80,13 @@ advantages_task, update_actor_task, update_critic_task, validate_task, warm_star
 def training_step(state: RunState, step: int) -> dict[str, float]:
     """One PPO/GRPO step as a stage graph; returns the step's metrics."""
     config, started = state.config, time.perf_counter()
-    # step 1. rollout with the policy published for this step
-    metrics = state.run(rollout_task, step)
+    # step 1. rollout with the policy published for this step (one_step_ahead: for the step before, and
+    # started while the previous step trained); then start the next step's rollout beside this one.
+    ahead = config.trainer.one_step_ahead
+    pending = state.ahead.pop(step, None) or state.submit(rollout_task, step, max(step - 1, 0) if ahead else step)
+    metrics = state.wait(pending)
+    if ahead and step + 1 < config.trainer.total_steps:
+        state.ahead[step + 1] = state.submit(rollout_task, step + 1, step)
     # step 2. score, reference, values and old log-probs do not depend on each other
     parallel = [state.submit(reward_task, step), state.submit(old_logprobs_task, step)]
     if config.actor.use_kl_loss or config.algorithm.use_kl_in_reward:

@@ -89,3 +89,24 @@ def test_a_worker_killed_mid_stage_is_replaced_and_no_sample_is_lost(prefect_api
         assert len(uids) == PROMPTS * SAMPLES
         scores = read_stage(layout, step, "reward", expected_rows=len(uids), expected_uids=uids)
         assert scores.num_rows == PROMPTS * SAMPLES
+
+
+def test_one_step_ahead_rollout_uses_the_policy_of_the_step_before(prefect_api, tmp_path, tiny_inputs, _config):
+    """Under trainer.one_step_ahead the rollout of step k+1 runs while step k trains, with the weights
+    published for step k: every rollout but the first is one update behind."""
+    from mlflow.tracking import MlflowClient
+
+    config = _config(tmp_path, tiny_inputs, "ahead", actor={"ppo_mini_batch_size": 8, "micro_batch_size": 4})
+    config = config.model_copy(update={"trainer": config.trainer.model_copy(
+        update={"one_step_ahead": True, "total_steps": 3, "val_every": 0})})
+    state, beats, _ = _train_with_workers(config, prefect_api)
+    assert state.is_completed(), state
+    client = MlflowClient(config.tracking.tracking_uri)
+    run = client.search_runs([client.get_experiment_by_name("workers").experiment_id],
+                             "tags.`rlhf.run_name` = 'ahead'")[0]
+    lag = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "rollout/policy_lag")}
+    assert lag == {1: 0.0, 2: 1.0, 3: 1.0}
+    rollout = next(beat for beat in beats if beat["role"] == "rollout")
+    assert sorted(step for stage, step in rollout["finished"] if stage == "rollout") == [0, 1, 2]
+    layout = RunLayout(config.run.storage_root, "ahead")
+    assert all(len(read_stage(layout, step, "rollout")) == PROMPTS * SAMPLES for step in range(3))

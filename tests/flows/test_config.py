@@ -403,3 +403,15 @@ def test_json_schema_builds():
     assert schema["$defs"]["ModelConfig"]["properties"]["dtype"]["enum"] == ["float32", "bfloat16", "float16"]
     # Field docstrings are not in the schema (use_attribute_docstrings is not set), so no check on
     # "description" of the fields here.
+
+
+def test_one_step_ahead_needs_workers():
+    message = config_error(["trainer.one_step_ahead=true"])
+    assert "trainer.one_step_ahead=true needs trainer.execution=workers" in message
+    assert build_config(None, ["trainer.one_step_ahead=true", "trainer.execution=workers"]).trainer.one_step_ahead
+
+
+def test_vllm_rollout_options_are_validated():
+    assert "rollout.min_new_tokens=9 must be <= rollout.max_new_tokens=4" in config_error(
+        ["rollout.min_new_tokens=9", "rollout.max_new_tokens=4"])
+    assert "rollout.gpu_memory_utilization" in config_error(["rollout.gpu_memory_utilization=1.5"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from flows.config import build_config
 from flows.launcher import free_port
 
 GIB = 1024**3
+REPO = Path(__file__).resolve().parents[2]
 WORKERS = "trainer.execution=workers"  # the placement applies only to role workers
 
 
@@ -193,3 +195,73 @@ def test_parser_help_and_arguments():
     assert parser.parse_args(["doctor"]).config is None
     help_text = parser._subparsers._group_actions[0].choices["doctor"].format_help()
     assert help_text.startswith("usage: rlhf doctor") and "example: rlhf doctor" in help_text
+
+
+# --- the four-GPU reference layout (configs/gpu-4x.yaml), against a constructed 4 x H200 machine -----------
+
+
+def four_h200() -> Inventory:
+    gpus = [GpuInfo(index=index, physical_index=index, uuid=f"GPU-{index}", name="NVIDIA H200",
+                    total_bytes=143771 * 1024**2, used_bytes=0, processes=[], pci_bus_id=f"00000000:0{index}:00.0")
+            for index in range(4)]
+    return Inventory(gpus=gpus, cuda_visible_devices=None, source="nvml", torch_device_count=4)
+
+
+@pytest.fixture(scope="module")
+def shaped_models(tmp_path_factory):
+    """Config-only folders of the 1.5B and 0.5B shapes: enough to count parameters, nothing to load."""
+    from components.tiny import PRESETS, tiny_config
+
+    root = tmp_path_factory.mktemp("shaped")
+    for preset in ("qwen2.5-1.5b", "qwen2.5-0.5b"):
+        tiny_config(PRESETS[preset]).save_pretrained(root / preset)
+    return root
+
+
+def gpu_4x(machine, shaped_models, *extra: str):
+    from flows.config import load_config
+
+    return load_config(str(REPO / "configs" / "gpu-4x.yaml"), [
+        f"run.storage_root={machine / 'runs'}", f"tracking.tracking_uri=sqlite:///{machine / 'mlflow.db'}",
+        f"model.path={shaped_models / 'qwen2.5-1.5b'}", f"critic.model_path={shaped_models / 'qwen2.5-0.5b'}",
+        f"reward.model_path={shaped_models / 'qwen2.5-0.5b'}", *extra])
+
+
+def test_reference_four_gpu_layout_validates(machine, shaped_models, monkeypatch):
+    monkeypatch.setattr(doctor, "inventory_from_system", lambda env: four_h200())
+    placement = doctor.collect_report(gpu_4x(machine, shaped_models))["placement"]
+    assert placement["errors"] == []
+    assert placement["assignments"] == {"rollout": [0], "actor": [0, 1], "reward": [3], "reference": [1],
+                                        "critic": [2]}
+    parameters = placement["parameters"]
+    assert 1.5e9 < parameters["actor"] < 1.6e9  # the 1.5B shape (rollout and reference too)
+    assert 0.48e9 < parameters["critic"] < 0.5e9 and 0.48e9 < parameters["reward"] < 0.5e9  # 0.5B shapes
+
+
+def test_wrong_four_gpu_placements_fail_before_anything_loads(machine, shaped_models, monkeypatch):
+    monkeypatch.setattr(doctor, "inventory_from_system", lambda env: four_h200())
+    errors = doctor.collect_report(gpu_4x(machine, shaped_models, "placement.roles.critic=[4]"))["placement"]["errors"]
+    assert errors == ["placement.roles.critic: GPU index 4 is out of range: 4 GPUs are visible "
+                      "(CUDA_VISIBLE_DEVICES unset -> physical 0, 1, 2, 3); use indices 0-3"]
+    errors = doctor.collect_report(gpu_4x(machine, shaped_models, "placement.roles.critic=[0]"))["placement"]["errors"]
+    assert ("placement.roles.actor and placement.roles.critic both use GPU 0 (physical 0, NVIDIA H200), and no "
+            "placement.colocate group holds both; move one to another GPU or add [actor, critic] to "
+            "placement.colocate") in errors
+
+
+def test_doctor_names_the_rollout_engine(machine, tiny_model, shaped_models, monkeypatch):
+    from components.vllm_rollout import vllm_supports
+
+    report = doctor.collect_report(build_config(None, overrides(machine, tiny_model) + ["trainer.device=cpu"]))
+    expected = "vllm" if vllm_supports("cpu") else "hf"
+    assert report["rollout"]["engine"] == expected
+    assert f"rollout engine {expected}: " in doctor.format_report(report)
+    hf = doctor.collect_report(build_config(None, overrides(machine, tiny_model) + ["rollout.engine=hf"]))
+    assert hf["rollout"] == {"engine": "hf", "detail": "transformers generate on cpu (rollout.engine=hf)"}
+    # The reference 4-GPU layout: the rollout shares GPU 0 with the actor, so a vLLM engine would sleep.
+    monkeypatch.setattr(doctor, "inventory_from_system", lambda env: four_h200())
+    monkeypatch.setattr("components.vllm_rollout.installed_vllm", lambda: "vllm")
+    monkeypatch.setattr("components.vllm_rollout.vllm_version", lambda: "vllm 0.26.0")
+    four = doctor.collect_report(gpu_4x(machine, shaped_models))["rollout"]
+    assert four == {"engine": "vllm",
+                    "detail": "vllm 0.26.0 on GPU [0], tensor parallel 1, sleeps between generations"}
