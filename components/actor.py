@@ -18,6 +18,16 @@ from components.models import load_causal_lm, load_tokenizer
 from components.training import Updater
 
 
+def _accumulate_gap(gap: dict, logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+    """Add one micro-batch's |actor - rollout engine| log-prob gap over response tokens to `gap`."""
+    finite = torch.isfinite(logprobs) | ~mask.bool()
+    gap["nonfinite"] += int((~finite).any(dim=-1).sum())
+    difference = torch.where(finite, (logprobs - rollout_logprobs).abs(), 0.0) * mask
+    gap["sum"] += float(difference.sum())
+    gap["tokens"] += float(mask.sum())
+    gap["max"] = max(gap["max"], float(difference.max()) if difference.numel() else 0.0)
+
+
 @torch.no_grad()
 def sequence_logprobs(
     model, batch: SequenceBatch, *, temperature: float, micro_batch_size: int, with_entropy: bool = False
@@ -64,21 +74,34 @@ class Actor:
         return sequence_logprobs(self.model, batch, temperature=self.temperature,
                                  micro_batch_size=self.config.micro_batch_size, with_entropy=with_entropy)
 
-    def update(self, batch: SequenceBatch, *, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-               ref_logprobs: torch.Tensor | None = None) -> dict[str, float]:
-        """One PPO update over the batch (all inputs `[B, T]`); returns `actor/*` metrics."""
+    def update(self, batch: SequenceBatch, *, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
+               ref_logprobs: torch.Tensor | None = None,
+               rollout_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+        """One PPO update over the batch (all inputs `[B, T]`); returns `actor/*` metrics.
+
+        old_logprobs=None: the update is on-policy (one epoch, one mini-batch, so one optimizer step after
+        every forward), and each forward's own log-probs, detached, are the old ones. Then
+        `rollout_logprobs` (the engine's) give rollout/logprob_diff_mean and _max from the same forward.
+        """
         config = self.config
         if config.use_kl_loss and ref_logprobs is None:
             raise ValueError("actor.use_kl_loss=true needs reference log-probs")
+        if old_logprobs is None and (config.ppo_epochs != 1 or config.ppo_mini_batch_size < batch.size):
+            raise ValueError("old_logprobs=None needs an on-policy update: actor.ppo_epochs=1 and "
+                             f"actor.ppo_mini_batch_size >= {batch.size} (the batch)")
         policy_loss = get_policy_loss(config.policy_loss)
         device = self.device
+        gap = {"sum": 0.0, "tokens": 0.0, "max": 0.0, "nonfinite": 0}
 
         def micro_loss(indices: torch.Tensor):
             micro = batch.select(indices).to(device)
             logits = response_logits(self.model, micro, self.temperature)
             logprobs = logprobs_from_logits(logits, micro.response_ids)
+            if rollout_logprobs is not None:
+                _accumulate_gap(gap, logprobs.detach(), rollout_logprobs[indices].to(device), micro.response_mask)
             loss, metrics = policy_loss(
-                logprobs=logprobs, old_logprobs=old_logprobs[indices].to(device),
+                logprobs=logprobs,
+                old_logprobs=logprobs.detach() if old_logprobs is None else old_logprobs[indices].to(device),
                 advantages=advantages[indices].to(device), response_mask=micro.response_mask,
                 clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
                 clip_ratio_c=config.clip_ratio_c, loss_agg_mode=config.loss_agg_mode,
@@ -99,7 +122,14 @@ class Actor:
                 metrics.update(kl_metrics)
             return loss, metrics
 
-        return self.updater.update(batch.response_mask, micro_loss, prefix="actor")
+        metrics = self.updater.update(batch.response_mask, micro_loss, prefix="actor")
+        if rollout_logprobs is not None:
+            metrics["rollout/logprob_diff_mean"] = (gap["sum"] / max(gap["tokens"], 1.0) if not gap["nonfinite"]
+                                                    else float("nan"))
+            metrics["rollout/logprob_diff_max"] = gap["max"]
+            if gap["nonfinite"]:
+                metrics["actor/nonfinite_samples"] = float(gap["nonfinite"])
+        return metrics
 
     def generate(self, prompts, **sampling):
         """Sample responses with the transformers engine (see components.rollout.SamplingParams)."""

@@ -30,9 +30,10 @@ class PolicyRole(Protocol):
     def compute_logprobs(self, batch: SequenceBatch, with_entropy: bool = False):
         """(log-probs `[B, T]`, entropies `[B, T]` or None) of the batch's responses."""
 
-    def update(self, batch: SequenceBatch, *, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-               ref_logprobs: torch.Tensor | None = None) -> dict[str, float]:
-        """One policy update; returns `actor/*` metrics."""
+    def update(self, batch: SequenceBatch, *, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
+               ref_logprobs: torch.Tensor | None = None,
+               rollout_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+        """One policy update; returns `actor/*` metrics (old_logprobs=None: on-policy, see Actor.update)."""
 
 
 @runtime_checkable

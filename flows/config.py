@@ -128,6 +128,10 @@ class OptimConfig(Section):
 
 
 class ActorConfig(Section):
+    reuse_update_logprobs: bool = True
+    """When the update is on-policy (ppo_epochs=1 and one mini-batch holding the whole step, no KL in the
+    reward), skip the separate old-log-prob pass: the update's own forward gives the same log-probs before
+    its only optimizer step (rollout/logprob_diff_* then come from that forward)."""
     optim: OptimConfig = OptimConfig()
     """Optimizer of the policy."""
     ppo_epochs: int = Field(1, gt=0)
@@ -322,6 +326,13 @@ class Config(Section):
     @property
     def samples_per_step(self) -> int:
         return self.data.prompts_per_step * self.rollout.n
+
+    @property
+    def on_policy_update(self) -> bool:
+        """The actor update takes one optimizer step over the whole step's batch from the current weights,
+        and nothing before it needs the old log-probs: they are the update's own (see reuse_update_logprobs)."""
+        return (self.actor.reuse_update_logprobs and self.actor.ppo_epochs == 1
+                and self.actor.ppo_mini_batch_size >= self.samples_per_step and not self.algorithm.use_kl_in_reward)
 
 
 def _format_validation_error(error: ValidationError) -> str:

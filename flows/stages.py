@@ -8,6 +8,7 @@ from `flows.roles.get_role`, resident in whichever process that is.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from contextlib import contextmanager
@@ -257,11 +258,21 @@ def update_actor(config: Config, step: int) -> StageResult:
                     if config.actor.use_kl_loss else None)
     actor = get_role(config, "actor")
     metrics: dict[str, float] = {}
+    on_policy = config.on_policy_update
     with timed(metrics, "update_actor"):
         metrics.update(actor.update(
-            batch, old_logprobs=_per_token(_read(config, step, "old_logprobs", rollout_table), "old_logprobs", length),
+            batch, old_logprobs=None if on_policy else
+            _per_token(_read(config, step, "old_logprobs", rollout_table), "old_logprobs", length),
             advantages=_per_token(_read(config, step, "advantages", rollout_table), "advantages", length),
-            ref_logprobs=ref_logprobs))
+            ref_logprobs=ref_logprobs,
+            rollout_logprobs=_per_token(rollout_table, "rollout_logprobs", length) if on_policy else None))
+    if on_policy and not math.isfinite(metrics.get("rollout/logprob_diff_mean", 0.0)):
+        # The update skipped its non-finite step, so the weights are as they were; stop here as
+        # old_logprobs would have.
+        raise FloatingPointError(
+            f"stage update_actor at step {step}: the actor's log-prob is NaN or infinite for "
+            f"{int(metrics.get('actor/nonfinite_samples', 0))} sample(s); the step stops here and the latest "
+            "checkpoint stays as it was")
     layout = layout_for(config)
     path = layout.weights_dir("actor", step + 1)
     with timed(metrics, "save_weights"):

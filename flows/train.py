@@ -88,7 +88,9 @@ def training_step(state: RunState, step: int) -> dict[str, float]:
     if ahead and step + 1 < config.trainer.total_steps:
         state.ahead[step + 1] = state.submit(rollout_task, step + 1, step)
     # step 2. score, reference, values and old log-probs do not depend on each other
-    parallel = [state.submit(reward_task, step), state.submit(old_logprobs_task, step)]
+    parallel = [state.submit(reward_task, step)]
+    if not config.on_policy_update:  # on-policy, the update computes them itself
+        parallel.append(state.submit(old_logprobs_task, step))
     if config.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
         parallel.append(state.submit(reference_task, step))
     if config.uses_critic:

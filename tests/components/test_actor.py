@@ -216,3 +216,36 @@ def test_gradient_accumulation_token_mean_unequal_lengths(model_path, model, tok
     split, _ = _grad_accumulation_change(model_path, tokenizer, batch, old_logprobs, advantages, 2, "token-mean")
     for name in whole:
         torch.testing.assert_close(split[name], whole[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("micro_batch_size", [4, 2])
+def test_on_policy_update_without_old_logprobs_matches_the_recomputed_ones(model_path, tokenizer, micro_batch_size):
+    """old_logprobs=None (on-policy): the same parameter change as with a separate old-log-prob pass, and
+    the rollout gap measured from the update's own forward equals the gap to the recomputed log-probs."""
+    batch = build_sequence_batch(PROMPTS, RESPONSES, tokenizer.pad_token_id)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(4, batch.response_length).clone()
+    changes, gaps = [], []
+    for reuse in (False, True):
+        model = load_causal_lm(model_path, device="cpu")
+        actor = Actor(model, tokenizer, _config(micro_batch_size=micro_batch_size), temperature=0.7)
+        old_logprobs, _ = actor.compute_logprobs(batch)
+        rollout = old_logprobs + 0.01 * torch.arange(batch.response_length)  # an engine that is slightly off
+        before = _params(model)
+        metrics = actor.update(batch, old_logprobs=None if reuse else old_logprobs, advantages=advantages,
+                               rollout_logprobs=rollout if reuse else None)
+        changes.append({name: value - before[name] for name, value in _params(model).items()})
+        gaps.append(metrics)
+    for name in changes[0]:
+        torch.testing.assert_close(changes[1][name], changes[0][name], atol=1e-6, rtol=1e-5, msg=name)
+    mask = batch.response_mask
+    expected = (0.01 * torch.arange(batch.response_length) * mask)
+    assert gaps[1]["rollout/logprob_diff_mean"] == pytest.approx(float(expected.sum() / mask.sum()), abs=1e-5)
+    assert gaps[1]["rollout/logprob_diff_max"] == pytest.approx(float(expected.max()), abs=1e-5)
+    assert gaps[1]["actor/ppo_kl"] == 0.0 and "rollout/logprob_diff_mean" not in gaps[0]
+
+
+def test_on_policy_update_is_refused_when_it_is_not(model, tokenizer):
+    actor = Actor(model, tokenizer, _config(ppo_mini_batch_size=2, micro_batch_size=2))
+    batch = build_sequence_batch(PROMPTS, RESPONSES, tokenizer.pad_token_id)
+    with pytest.raises(ValueError, match="needs an on-policy update"):
+        actor.update(batch, old_logprobs=None, advantages=torch.zeros(4, batch.response_length))

@@ -148,3 +148,22 @@ def test_existing_run_folder_is_refused_before_any_model_loads(prefect_api, tmp_
         train(config)
     assert (tmp_path / "runs" / "taken" / "keep.txt").read_text() == "earlier work"
     assert LOAD_COUNTS == loads_before
+
+
+def test_on_policy_update_skips_the_old_logprob_pass(prefect_api, tmp_path, tiny_inputs, _config):
+    """One epoch, one mini-batch of the whole step: no old_logprobs stage; the update's own forward
+    gives the rollout consistency metrics."""
+    config = _config(tmp_path, tiny_inputs, "on-policy",
+                     actor={"ppo_mini_batch_size": PROMPTS * SAMPLES, "micro_batch_size": 4})
+    assert config.on_policy_update
+    state, _ = _run(config)
+    layout = RunLayout(config.run.storage_root, "on-policy")
+    for step in range(2):
+        assert validate_stage_file(layout, step, "advantages", expected_rows=PROMPTS * SAMPLES)
+        assert not layout.exists(layout.stage_path(step, "old_logprobs"))
+    assert "old_logprobs" not in _task_names(state.state_details.flow_run_id)
+    client = MlflowClient(config.tracking.tracking_uri)
+    run = client.search_runs([client.get_experiment_by_name("e2e").experiment_id],
+                             "tags.`rlhf.run_name` = 'on-policy'")[0]
+    gap = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff_mean")}
+    assert sorted(gap) == [1, 2] and all(0 <= value < 0.02 for value in gap.values()), gap
