@@ -13,6 +13,7 @@ next; the weights are reloaded from the last published copy on wake.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
@@ -63,34 +64,6 @@ class VLLMRolloutEngine:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        # vLLM edits this process's environment for its children, at import (LD_LIBRARY_PATH,
-        # PYTORCH_NVML_BASED_CUDA_CHECK, ...) and at engine start (LOCAL_WORLD_SIZE, LD_PRELOAD of libgomp
-        # on the CPU, ...). Its processes have started by the end of __init__: put ours back as it was, or
-        # torch.distributed checks and processes started later would inherit them.
-        environment = dict(os.environ)
-        try:
-            self._start(path, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
-                        max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager, sleep=sleep,
-                        trust_remote_code=trust_remote_code, max_num_seqs=max_num_seqs,
-                        custom_all_reduce=custom_all_reduce)
-        finally:
-            os.environ.clear()
-            os.environ.update(environment)
-        self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
-        self.weights_version: int | None = None
-        self.weights_path = path
-        """The weights the engine holds (or reloads on wake): the initial model, then each published copy."""
-        self.sleep_enabled = sleep
-        self.asleep = False
-        self.last_metrics: dict[str, float] = {}
-        """Timings of the last call (timing_s/wake, timing_s/sleep, timing_s/weight_load)."""
-
-    def _start(self, path: str, *, dtype, tensor_parallel_size, gpu_memory_utilization,
-               kv_cache_gib, max_model_len, seed, enforce_eager, sleep, trust_remote_code, max_num_seqs,
-               custom_all_reduce) -> None:
-        from vllm import LLM
-
         kwargs = dict(model=path, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
                       max_model_len=max_model_len, enforce_eager=enforce_eager, trust_remote_code=trust_remote_code,
                       logprobs_mode="processed_logprobs", enable_sleep_mode=sleep, enable_prefix_caching=True,
@@ -103,13 +76,24 @@ class VLLMRolloutEngine:
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
         started = time.perf_counter()
-        # Fork is unsafe once this process has touched CUDA (vLLM does not always notice): always spawn.
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        if not custom_all_reduce:
-            # NCCL's all-reduce between tensor-parallel ranks, not vLLM's symmetric-memory kernels.
-            os.environ["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
-        self.llm = LLM(**kwargs)
+        with _environment_restored():  # vLLM's import and start both edit it
+            from vllm import LLM
+
+            # Fork is unsafe once this process has touched CUDA (vLLM does not always notice): always spawn.
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+            if not custom_all_reduce:
+                # NCCL's all-reduce between tensor-parallel ranks, not vLLM's symmetric-memory kernels.
+                os.environ["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
+            self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - started
+        self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
+        self.weights_version: int | None = None
+        self.weights_path = path
+        """The weights the engine holds (or reloads on wake): the initial model, then each published copy."""
+        self.sleep_enabled = sleep
+        self.asleep = False
+        self.last_metrics: dict[str, float] = {}
+        """Timings of the last call (timing_s/wake, timing_s/sleep, timing_s/weight_load)."""
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -220,6 +204,22 @@ class VLLMRolloutEngine:
         import gc
 
         gc.collect()
+
+
+@contextlib.contextmanager
+def _environment_restored():
+    """Put this process's environment back as it was on exit.
+
+    vLLM edits it for its children, at import (LD_LIBRARY_PATH, PYTORCH_NVML_BASED_CUDA_CHECK, ...)
+    and at engine start (LOCAL_WORLD_SIZE, LD_PRELOAD of libgomp on the CPU, ...). Once its processes
+    have started, torch.distributed checks and processes started later must not inherit those.
+    """
+    environment = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 def _reload_in_worker(worker, path: str) -> None:

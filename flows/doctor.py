@@ -249,33 +249,26 @@ def collect_report(config=None, env: Mapping[str, str] | None = None) -> dict:
 
 def rollout_engine_report(config, placement: dict, has_gpus: bool) -> dict:
     """Which generation engine the rollout role will use where it runs, and how (no model loads)."""
-    from components.vllm_rollout import installed_vllm, vllm_supports, vllm_version
+    from components.vllm_rollout import vllm_version
+    from flows.roles import rollout_engine_name, rollout_sleeps
 
     if config.trainer.execution == "workers":
         devices = (placement.get("assignments") or {}).get("rollout", "cpu")
     else:
         devices = "cpu" if config.trainer.device == "cpu" or not has_gpus else [0]
     device = "cpu" if devices == "cpu" else "cuda"
-    engine = config.rollout.engine
-    if engine == "auto":
-        engine = "vllm" if vllm_supports(device) else "hf"
-    build = installed_vllm()
+    try:
+        engine = rollout_engine_name(config, device)
+    except ValueError as error:
+        return {"engine": "vllm", "status": "fail", "detail": str(error)}
     if engine == "hf":
         why = "rollout.engine=hf" if config.rollout.engine == "hf" else f"no vLLM build for {device} installed"
         return {"engine": "hf", "detail": f"transformers generate on {device} ({why})"}
-    if not vllm_supports(device):
-        return {"engine": "vllm", "status": "fail",
-                "detail": f"rollout.engine=vllm but the installed vLLM ({build or 'none'}) cannot run on {device}"}
-    version = vllm_version()
     if device == "cpu":
-        return {"engine": "vllm", "detail": f"{version} on the CPU"}
+        return {"engine": "vllm", "detail": f"{vllm_version()} on the CPU"}
     tensor_parallel = config.rollout.tensor_parallel_size or (len(devices) if config.trainer.execution == "workers" else 1)
-    shares = config.trainer.execution == "local" or any(
-        "rollout" in group and len(group) > 1 for group in config.placement.colocate)
-    sleeps = config.rollout.sleep == "on" or (config.rollout.sleep == "auto" and shares)
-    return {"engine": "vllm", "detail": f"{version} on GPU {devices}, tensor parallel {tensor_parallel}, "
-                                        f"{'sleeps between generations' if sleeps else 'stays resident'}"}
-
+    residency = "sleeps between generations" if rollout_sleeps(config, True) else "stays resident"
+    return {"engine": "vllm", "detail": f"{vllm_version()} on GPU {devices}, tensor parallel {tensor_parallel}, {residency}"}
 
 
 def report_failed(report: dict) -> bool:

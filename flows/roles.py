@@ -45,12 +45,13 @@ def _model_kwargs(config: Config) -> dict:
                 trust_remote_code=config.model.trust_remote_code)
 
 
-def rollout_engine_name(config: Config) -> str:
-    """The engine the rollout role uses in this process: rollout.engine, with auto resolved."""
+def rollout_engine_name(config: Config, device_type: str | None = None) -> str:
+    """The engine the rollout role uses on `device_type` ('cuda' or 'cpu'; default: trainer.device in this
+    process): rollout.engine, with auto resolved. ValueError when vllm is asked for and cannot run there."""
     from components.models import resolve_device
     from components.vllm_rollout import installed_vllm, vllm_supports
 
-    device = resolve_device(config.trainer.device).type
+    device = device_type or resolve_device(config.trainer.device).type
     if config.rollout.engine == "auto":
         return "vllm" if vllm_supports(device) else "hf"
     if config.rollout.engine == "vllm" and not vllm_supports(device):
@@ -66,6 +67,12 @@ def rollout_shares_gpu(config: Config) -> bool:
     if config.trainer.execution == "local":
         return True  # every role runs in this process, on trainer.device
     return any("rollout" in group and len(group) > 1 for group in config.placement.colocate)
+
+
+def rollout_sleeps(config: Config, on_gpu: bool) -> bool:
+    """Whether the vLLM engine frees its GPU memory between generations (rollout.sleep, auto resolved)."""
+    sleep = config.rollout.sleep
+    return on_gpu and (sleep == "on" or (sleep == "auto" and rollout_shares_gpu(config)))
 
 
 def _vllm_options(config: Config) -> dict:
@@ -91,11 +98,11 @@ def _vllm_options(config: Config) -> dict:
     return dict(
         dtype=config.model.dtype, tensor_parallel_size=tensor_parallel if on_gpu else 1,
         gpu_memory_utilization=rollout.gpu_memory_utilization or (0.4 if shares else 0.85),
-        kv_cache_gib=rollout.kv_cache_gib if (rollout.kv_cache_gib or on_gpu) else 1.0,
+        kv_cache_gib=rollout.kv_cache_gib or (None if on_gpu else 1.0),
         max_model_len=config.data.max_prompt_length + rollout.max_new_tokens,
         seed=config.trainer.seed, trust_remote_code=config.model.trust_remote_code,
         enforce_eager=rollout.enforce_eager if rollout.enforce_eager is not None else not on_gpu,
-        sleep=on_gpu and (rollout.sleep == "on" or (rollout.sleep == "auto" and shares)),
+        sleep=rollout_sleeps(config, on_gpu),
         custom_all_reduce=rollout.custom_all_reduce,
     )
 
