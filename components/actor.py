@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from components.algorithms import aggregate_loss, entropy_from_logits, get_policy_loss, kl_loss, logprobs_from_logits
-from components.batch import SequenceBatch, response_logits
+from components.algorithms import aggregate_loss, get_policy_loss, kl_loss
+from components.algorithms.fused import logprobs_and_entropy
+from components.batch import SequenceBatch, model_logits
 from components.models import load_causal_lm, load_tokenizer
 from components.training import Updater
 
@@ -30,18 +31,23 @@ def _accumulate_gap(gap: dict, logprobs: torch.Tensor, rollout_logprobs: torch.T
 
 @torch.no_grad()
 def sequence_logprobs(
-    model, batch: SequenceBatch, *, temperature: float, micro_batch_size: int, with_entropy: bool = False
+    model, batch: SequenceBatch, *, temperature: float, micro_batch_size: int, with_entropy: bool = False,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs `[B, T]` of the batch's response tokens (and entropies `[B, T]`), masked to 0."""
+    """Log-probs `[B, T]` of the batch's response tokens (and entropies `[B, T]`), masked to 0.
+
+    fused: one Triton kernel over the model's logits on CUDA (components.algorithms.fused).
+    """
     model.eval()
     device = next(model.parameters()).device
     logprob_parts, entropy_parts = [], []
     for start in range(0, batch.size, micro_batch_size):
         micro = batch.select(slice(start, start + micro_batch_size)).to(device)
-        logits = response_logits(model, micro, temperature)
-        logprob_parts.append((logprobs_from_logits(logits, micro.response_ids) * micro.response_mask).cpu())
+        logprobs, entropy = logprobs_and_entropy(model_logits(model, micro), micro.response_ids, temperature,
+                                                 fused=fused, with_entropy=with_entropy)
+        logprob_parts.append((logprobs * micro.response_mask).cpu())
         if with_entropy:
-            entropy_parts.append((entropy_from_logits(logits) * micro.response_mask).cpu())
+            entropy_parts.append((entropy * micro.response_mask).cpu())
     entropy = torch.cat(entropy_parts) if with_entropy else None
     return torch.cat(logprob_parts), entropy
 
@@ -49,22 +55,24 @@ def sequence_logprobs(
 class Actor:
     """Policy model + optimizer. `temperature` must match the rollout's sampling temperature."""
 
-    def __init__(self, model, tokenizer, config=None, *, temperature: float = 1.0, seed: int = 0):
+    def __init__(self, model, tokenizer, config=None, *, temperature: float = 1.0, seed: int = 0, fused: bool = True):
         from flows.config import ActorConfig
 
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or ActorConfig()
         self.temperature = temperature
+        self.fused = fused
+        """Log-probs and entropy by the fused kernel on CUDA (model.fused_logprobs)."""
         self.updater = Updater(model, self.config, seed)
 
     @classmethod
     def from_pretrained(cls, path: str, config=None, *, dtype="float32", device="auto",
-                        attn_implementation="auto", trust_remote_code=False, temperature=1.0, seed=0):
+                        attn_implementation="auto", trust_remote_code=False, temperature=1.0, seed=0, fused=True):
         model = load_causal_lm(path, dtype=dtype, device=device, attn_implementation=attn_implementation,
                                trust_remote_code=trust_remote_code)
         tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
-        return cls(model, tokenizer, config, temperature=temperature, seed=seed)
+        return cls(model, tokenizer, config, temperature=temperature, seed=seed, fused=fused)
 
     @property
     def device(self) -> torch.device:
@@ -72,7 +80,8 @@ class Actor:
 
     def compute_logprobs(self, batch: SequenceBatch, with_entropy: bool = False):
         return sequence_logprobs(self.model, batch, temperature=self.temperature,
-                                 micro_batch_size=self.config.micro_batch_size, with_entropy=with_entropy)
+                                 micro_batch_size=self.config.micro_batch_size, with_entropy=with_entropy,
+                                 fused=self.fused)
 
     def update(self, batch: SequenceBatch, *, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor | None = None,
@@ -95,8 +104,10 @@ class Actor:
 
         def micro_loss(indices: torch.Tensor):
             micro = batch.select(indices).to(device)
-            logits = response_logits(self.model, micro, self.temperature)
-            logprobs = logprobs_from_logits(logits, micro.response_ids)
+            # The entropy is a metric without an autograd graph unless entropy_coeff puts it in the loss.
+            logprobs, token_entropy = logprobs_and_entropy(
+                model_logits(self.model, micro), micro.response_ids, self.temperature,
+                entropy_grad=bool(config.entropy_coeff), fused=self.fused)
             if rollout_logprobs is not None:
                 _accumulate_gap(gap, logprobs.detach(), rollout_logprobs[indices].to(device), micro.response_mask)
             loss, metrics = policy_loss(
@@ -106,9 +117,7 @@ class Actor:
                 clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
                 clip_ratio_c=config.clip_ratio_c, loss_agg_mode=config.loss_agg_mode,
             )
-            # A metric unless entropy_coeff is set: then no autograd graph over the [b, T, V] softmax.
-            with torch.set_grad_enabled(bool(config.entropy_coeff) and torch.is_grad_enabled()):
-                entropy = aggregate_loss(entropy_from_logits(logits), micro.response_mask, config.loss_agg_mode)
+            entropy = aggregate_loss(token_entropy, micro.response_mask, config.loss_agg_mode)
             metrics["actor/entropy"] = float(entropy.detach())
             if config.entropy_coeff:
                 loss = loss - config.entropy_coeff * entropy

@@ -74,10 +74,11 @@ def build_sequence_batch(
     )
 
 
-def response_logits(model, batch: SequenceBatch, temperature: float = 1.0) -> torch.Tensor:
-    """Logits that predict each response token: `[B, T, V]`, divided by the sampling temperature.
+def model_logits(model, batch: SequenceBatch) -> torch.Tensor:
+    """The model's logits at the last T+1 positions, `[B, T+1, V]` in the model's dtype.
 
-    Position P-1+t predicts response token t, so only the last T+1 positions' logits are computed.
+    Position P-1+t predicts response token t (index t here); the last one predicts nothing. Only these
+    positions go through the LM head.
     """
     output = model(
         input_ids=batch.input_ids,
@@ -86,5 +87,10 @@ def response_logits(model, batch: SequenceBatch, temperature: float = 1.0) -> to
         use_cache=False,
         logits_to_keep=batch.response_length + 1,
     )
-    logits = output.logits[:, :-1, :].float()
+    return output.logits
+
+
+def response_logits(model, batch: SequenceBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Float32 logits that predict each response token: `[B, T, V]`, divided by the sampling temperature."""
+    logits = model_logits(model, batch)[:, :-1, :].float()
     return logits / temperature if temperature != 1.0 else logits

@@ -49,6 +49,9 @@ class ModelConfig(Section):
     """Parameter dtype for every role's model."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     """auto: flash-attn when installed and on a GPU, else PyTorch SDPA."""
+    fused_logprobs: bool = True
+    """On CUDA, token log-probs and entropy of the actor and reference by one Triton kernel straight from
+    the LM head's logits (no float32 [B, T, V] copy); false: the plain PyTorch expression. Same values."""
     trust_remote_code: bool = False
     """Passed to from_pretrained (only for hub models you trust)."""
     from_run: str | None = None

@@ -125,7 +125,7 @@ def _build_actor(config: Config):
     checkpoint = restore_point(config, "actor")
     actor = Actor.from_pretrained(checkpoint or initial_policy_path(config), config.actor,
                                   temperature=config.rollout.temperature, seed=config.trainer.seed,
-                                  **_model_kwargs(config))
+                                  fused=config.model.fused_logprobs, **_model_kwargs(config))
     _shard_if_distributed(actor.model)
     _restore_trainer_state(actor.updater, checkpoint)
     return actor
@@ -159,7 +159,8 @@ def _build_reference(config: Config):
     from components.reference import Reference
 
     return Reference.from_pretrained(initial_policy_path(config), temperature=config.rollout.temperature,
-                                     micro_batch_size=config.actor.micro_batch_size, **_model_kwargs(config))
+                                     micro_batch_size=config.actor.micro_batch_size, fused=config.model.fused_logprobs,
+                                     **_model_kwargs(config))
 
 
 def _build_critic(config: Config):
