@@ -4,10 +4,13 @@
     python bench/rollout.py --tp 2                 # tensor-parallel engine over the two visible GPUs
     python bench/rollout.py --device cpu --preset tiny --prompts 8 --n 2 --prompt-tokens 16 --new-tokens 8
 
-One vLLM engine serves both measurements (it is the rollout role the flow builds, started once):
-  raw    `LLM.generate` on the prompts as token ids, n samples each, no log-probs: vLLM alone.
+One vLLM engine serves every measurement (it is the rollout role the flow builds, started once):
+  raw    `LLM.generate` on the prompts as token ids, n samples each, unseeded, no log-probs: vLLM alone,
+         as a user would call it. Variants: with per-request seeds; with the sampled tokens' log-probs.
   stage  `flows.stages.rollout(config, step)`: prompt sampling from the Parquet dataset, generation with
-         the sampled tokens' log-probs, decoding, and the Parquet write; timed end to end.
+         the sampled tokens' log-probs, decoding, and the Parquet write; timed end to end, with the
+         product's defaults (per-prompt seeds; the engine's log-probs for 1 prompt in 8,
+         rollout.logprobs_fraction=0.125). Variants: log-probs for every sample (fraction 1); none (0).
 They alternate `--repeats` times; the table gives the median of each and the ratio stage/raw.
 Weight sync: the actor's published copy (safetensors on storage) loaded into the running engine, as
 the stage does each step. Sleep/wake (GPU): memory freed by sleep level 2, and wake + reload seconds.
@@ -111,7 +114,7 @@ def main() -> None:
     prompts = [r.prompt_ids for r in get_role(config, "train_prompts")][: args.prompts]
     assert all(len(ids) == args.prompt_tokens for ids in prompts)
 
-    def raw(seed: int, logprobs: bool = False) -> tuple[float, int]:
+    def raw(seed: int | None, logprobs: bool = False) -> tuple[float, int]:
         extra = {"logprobs": 0, "flat_logprobs": True, "detokenize": False} if logprobs else {}
         sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=seed,
                                   **extra)
@@ -120,26 +123,35 @@ def main() -> None:
         seconds = time.perf_counter() - begin
         return seconds, sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
-    def stage(step: int) -> tuple[float, int, dict]:
+    def stage(step: int, logprobs_fraction: float | None = None) -> tuple[float, int, dict]:
+        variant = config if logprobs_fraction is None else config.model_copy(
+            update={"rollout": config.rollout.model_copy(update={"logprobs_fraction": logprobs_fraction})})
         begin = time.perf_counter()
-        result = rollout(config, step)
+        result = rollout(variant, step)
         seconds = time.perf_counter() - begin
         return seconds, int(result["metrics"]["perf/gen_tokens"]), result["metrics"]
 
-    raw(seed=999)  # warm-up (first-request compilation, allocator), for both sampling paths
-    raw(seed=999, logprobs=True)
-    raw_runs, raw_logprob_runs, stage_runs = [], [], []
+    variants = {  # name: (what it is, how to run it once)
+        "raw": ("raw vLLM generate, unseeded, no log-probs", lambda r: raw(None)),
+        "raw_seeded": ("raw vLLM generate, per-request seeds", lambda r: raw(r)),
+        "raw_logprobs": ("raw vLLM generate with the sampled tokens' log-probs", lambda r: raw(None, logprobs=True)),
+        "stage": (f"rollout stage, product defaults (logprobs_fraction={config.rollout.logprobs_fraction:g})",
+                  lambda r: stage(r)[:2]),
+        "stage_all_logprobs": ("rollout stage, rollout.logprobs_fraction=1", lambda r: stage(100 + r, 1.0)[:2]),
+        "stage_no_logprobs": ("rollout stage, rollout.logprobs_fraction=0", lambda r: stage(200 + r, 0.0)[:2]),
+    }
+    raw(None)  # warm-up (first-request compilation, allocator), for every sampling path
+    raw(999)
+    raw(None, logprobs=True)
+    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in variants}
     for repeat in range(args.repeats):
-        raw_runs.append(raw(seed=repeat))
-        raw_logprob_runs.append(raw(seed=repeat, logprobs=True))
-        stage_runs.append(stage(repeat))
+        for name, (_, run_once) in variants.items():
+            runs[name].append(run_once(repeat))
     expected = args.prompts * args.n * args.new_tokens
-    for seconds, tokens, *_ in raw_runs + raw_logprob_runs + stage_runs:
+    for seconds, tokens in (run for name in runs for run in runs[name]):
         assert tokens == expected, (tokens, expected)
-    raw_tps = statistics.median(tokens / seconds for seconds, tokens in raw_runs)
-    raw_logprob_tps = statistics.median(tokens / seconds for seconds, tokens in raw_logprob_runs)
-    stage_tps = statistics.median(tokens / seconds for seconds, tokens, _ in stage_runs)
-    gen_tps = statistics.median(m["perf/gen_tokens_per_s"] for _, _, m in stage_runs)
+    rates = {name: statistics.median(tokens / seconds for seconds, tokens in runs[name]) for name in runs}
+    raw_tps, raw_logprob_tps, stage_tps = rates["raw"], rates["raw_logprobs"], rates["stage"]
 
     # Weight sync: a new published copy each time, loaded into the running engine.
     layout = layout_for(config)
@@ -163,13 +175,10 @@ def main() -> None:
         sleep["colocated_sleep_s"] = metrics.get("timing_s/sleep")
     release_run(config)
 
-    rows = [
-        {"measure": "raw vLLM generate (tokens/s)", "value": f"{raw_tps:,.0f}"},
-        {"measure": "raw vLLM generate with the sampled tokens' log-probs (tokens/s)", "value": f"{raw_logprob_tps:,.0f}"},
-        {"measure": "rollout stage, end to end (tokens/s)", "value": f"{stage_tps:,.0f}"},
+    rows = [{"measure": f"{what} (tokens/s)", "value": f"{rates[name]:,.0f}"} for name, (what, _) in variants.items()]
+    rows += [
         {"measure": "stage / raw", "value": f"{stage_tps / raw_tps:.3f}"},
         {"measure": "stage / raw with log-probs", "value": f"{stage_tps / raw_logprob_tps:.3f}"},
-        {"measure": "stage generate call only (tokens/s)", "value": f"{gen_tps:,.0f}"},
         {"measure": "weight sync from storage (s, median of 3)", "value": f"{statistics.median(syncs):.3f}"},
         {"measure": "engine start (s)", "value": f"{start_s:.1f}"},
     ] + [{"measure": name, "value": f"{value:.3f}" if isinstance(value, float) else str(value)}
@@ -179,8 +188,8 @@ def main() -> None:
     print(markdown_table(rows, ["measure", "value"]))
     emit({"bench": "rollout", "args": vars(args), "raw_tokens_per_s": raw_tps, "stage_tokens_per_s": stage_tps,
           "stage_over_raw": stage_tps / raw_tps, "raw_logprobs_tokens_per_s": raw_logprob_tps,
-          "stage_over_raw_logprobs": stage_tps / raw_logprob_tps, "raw_logprob_runs": raw_logprob_runs, "stage_generate_tokens_per_s": gen_tps,
-          "raw_runs": raw_runs, "stage_runs": [(s, t) for s, t, _ in stage_runs], "weight_sync_s": syncs,
+          "stage_over_raw_logprobs": stage_tps / raw_logprob_tps, "tokens_per_s": rates, "runs": runs,
+          "weight_sync_s": syncs,
           "engine_start_s": start_s, **sleep, "machine": machine_info()}, args.out)
     shutil.rmtree(work, ignore_errors=True)
 

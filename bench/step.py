@@ -128,7 +128,7 @@ def run_product(args) -> dict:
 
     data = work / "data" / "train.parquet"
     write_fixed_prompts(data, args.prompts, args.prompt_tokens, load_tokenizer(str(model_dir)))
-    config = build_config(product_config(args, model_dir, data, work))
+    config = build_config(product_config(args, model_dir, data, work), overrides=args.set)
     peak_tflops = measure_bf16_matmul_tflops() if args.device == "cuda" else None
     started = time.perf_counter()
     with GpuMemorySampler() as memory:
@@ -168,12 +168,15 @@ def label(result: dict) -> str:
     if result.get("bench") == "trl_grpo":
         return "TRL GRPOTrainer, vLLM colocate, 1 GPU"
     name = f"product {result['algorithm'].upper()}, {result['gpus']} GPU{'s' if result['gpus'] > 1 else ''}"
-    return name + (", one-step-ahead" if result["args"].get("one_step_ahead") else "")
+    name += ", one-step-ahead" if result["args"].get("one_step_ahead") else ""
+    return name + "".join(f", {override}" for override in result["args"].get("set") or [])
 
 
 def table(results: list[dict]) -> str:
     rows = []
     for result in results:
+        if result.get("bench") not in ("step", "trl_grpo"):  # e.g. bench/rollout.py's result
+            continue
         if result.get("bench") == "trl_grpo":  # bench/trl_grpo.py's result
             phases = result.get("phases_mean_s") or {}
             tflops, peak = result.get("update_tflops_per_s"), result.get("bf16_matmul_tflops")
@@ -210,6 +213,8 @@ def main() -> None:
     parser.add_argument("--attn", default="auto", help="model.attn_implementation")
     parser.add_argument("--one-step-ahead", action="store_true",
                         help="trainer.one_step_ahead: the next step's rollout runs while this one trains (--gpus 2)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, repeatable (e.g. model.fused_logprobs=false)")
     parser.add_argument("--steps", type=int, default=3, help="measured steps after the warm-up")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test of the script")

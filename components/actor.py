@@ -20,12 +20,15 @@ from components.training import Updater
 
 
 def _accumulate_gap(gap: dict, logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-    """Add one micro-batch's |actor - rollout engine| log-prob gap over response tokens to `gap`."""
+    """Add one micro-batch's |actor - rollout engine| log-prob gap over response tokens to `gap`.
+
+    Rows without the engine's log-probs (NaN: rollout.logprobs_fraction) are left out of the gap."""
     finite = torch.isfinite(logprobs) | ~mask.bool()
     gap["nonfinite"] += int((~finite).any(dim=-1).sum())
-    difference = torch.where(finite, (logprobs - rollout_logprobs).abs(), 0.0) * mask
+    measured = mask * torch.isfinite(rollout_logprobs)
+    difference = torch.where(finite & measured.bool(), (logprobs - rollout_logprobs).abs(), 0.0)
     gap["sum"] += float(difference.sum())
-    gap["tokens"] += float(mask.sum())
+    gap["tokens"] += float(measured.sum())
     gap["max"] = max(gap["max"], float(difference.max()) if difference.numel() else 0.0)
 
 
@@ -132,7 +135,7 @@ class Actor:
             return loss, metrics
 
         metrics = self.updater.update(batch.response_mask, micro_loss, prefix="actor")
-        if rollout_logprobs is not None:
+        if rollout_logprobs is not None and (gap["tokens"] or gap["nonfinite"]):  # none measured: no metric
             metrics["rollout/logprob_diff_mean"] = (gap["sum"] / max(gap["tokens"], 1.0) if not gap["nonfinite"]
                                                     else float("nan"))
             metrics["rollout/logprob_diff_max"] = gap["max"]

@@ -7,6 +7,7 @@ The transformers engine is here; other engines implement `components.protocols.R
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -33,6 +34,19 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     """Stop strings: generation ends after the token that completes one (kept in response_ids)."""
     seed: int | None = None
+    logprobs_fraction: float = 1.0
+    """Share of the prompts whose samples carry the sampled tokens' log-probs (vLLM; at least one prompt,
+    spread evenly, unless 0); the others get logprobs=None. The transformers engine always returns them."""
+
+
+def logprob_prompts(count: int, fraction: float) -> set[int]:
+    """The prompt indices, spread evenly, whose samples carry log-probs: ceil(count * fraction) of them."""
+    if fraction >= 1.0:
+        return set(range(count))
+    if fraction <= 0.0:
+        return set()
+    chosen = max(1, math.ceil(count * fraction)) if count else 0
+    return {index * count // chosen for index in range(chosen)}
 
 
 @dataclass
@@ -40,7 +54,8 @@ class Generation:
     prompt_index: int
     sample_index: int
     response_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float] | None
+    """Log-prob of each response token under the sampled distribution (None: not requested)."""
     finish_reason: str  # "stop" (end-of-sequence emitted) or "length"
     text: str = ""
     extra: dict = field(default_factory=dict)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from components.rollout import Generation, SamplingParams
+from components.rollout import Generation, SamplingParams, logprob_prompts
 
 
 def installed_vllm() -> str | None:
@@ -136,7 +136,7 @@ class VLLMRolloutEngine:
 
     # -- generation ------------------------------------------------------------------------------
 
-    def sampling_params(self, params: SamplingParams, prompt_index: int):
+    def sampling_params(self, params: SamplingParams, prompt_index: int, logprobs: bool = True):
         from vllm import SamplingParams as VLLMSamplingParams
 
         greedy = params.temperature == 0
@@ -144,7 +144,7 @@ class VLLMRolloutEngine:
             n=params.n, temperature=0.0 if greedy else params.temperature,
             top_p=1.0 if greedy else params.top_p, top_k=0 if greedy else params.top_k,
             max_tokens=params.max_new_tokens, min_tokens=params.min_new_tokens, ignore_eos=params.ignore_eos,
-            stop=list(params.stop) or None, logprobs=0, detokenize=bool(params.stop),
+            stop=list(params.stop) or None, logprobs=0 if logprobs else None, detokenize=bool(params.stop),
             # Children of one request get seed, seed+1, ...: give every prompt its own range.
             seed=None if params.seed is None else params.seed + prompt_index * params.n,
         )
@@ -162,7 +162,8 @@ class VLLMRolloutEngine:
         if self.asleep:
             self._wake()
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-        sampling = [self.sampling_params(params, index) for index in range(len(prompts))]
+        with_logprobs = logprob_prompts(len(prompts), params.logprobs_fraction)
+        sampling = [self.sampling_params(params, index, index in with_logprobs) for index in range(len(prompts))]
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         generations = self._collect(outputs, params)
         if self.sleep_enabled:
@@ -180,7 +181,7 @@ class VLLMRolloutEngine:
                 tokens = list(completion.token_ids)
                 generations.append(Generation(
                     prompt_index=prompt_index, sample_index=completion.index, response_ids=tokens,
-                    logprobs=_sampled_logprobs(completion.logprobs, tokens),
+                    logprobs=None if completion.logprobs is None else _sampled_logprobs(completion.logprobs, tokens),
                     finish_reason="stop" if completion.finish_reason == "stop" else "length",
                     text=completion.text if params.stop else "",
                 ))
@@ -246,8 +247,6 @@ def _reload_in_worker(worker, path: str) -> None:
 
 def _sampled_logprobs(logprobs, tokens: list[int]) -> list[float]:
     """The log-prob of each sampled token, from vLLM's flat or per-position logprobs (logprobs=0)."""
-    if logprobs is None:
-        raise RuntimeError("vLLM returned no logprobs (SamplingParams.logprobs must be 0)")
     if hasattr(logprobs, "start_indices"):  # FlatLogprobs: one entry per position with logprobs=0
         values = [logprobs.logprobs[start] for start in logprobs.start_indices]
         ids = [logprobs.token_ids[start] for start in logprobs.start_indices]

@@ -118,7 +118,8 @@ def rollout(config: Config, step: int, weights_step: int | None = None) -> Stage
     params = SamplingParams(n=config.rollout.n, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                             top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens,
                             min_new_tokens=config.rollout.min_new_tokens, ignore_eos=config.rollout.ignore_eos,
-                            stop=tuple(config.rollout.stop), seed=config.trainer.seed * 1_000_003 + step)
+                            stop=tuple(config.rollout.stop), seed=config.trainer.seed * 1_000_003 + step,
+                            logprobs_fraction=config.rollout.logprobs_fraction)
     engine = get_role(config, "rollout")
     with timed(metrics, "gen"):
         generations = engine.generate([p.prompt_ids for p in prompts], params)
@@ -128,7 +129,9 @@ def rollout(config: Config, step: int, weights_step: int | None = None) -> Stage
         "group_id": [f"s{step}-p{g.prompt_index}" for g in generations],
         "prompt_ids": [prompts[g.prompt_index].prompt_ids for g in generations],
         "response_ids": [g.response_ids for g in generations],
-        "rollout_logprobs": [g.logprobs for g in generations],
+        # NaN where the engine was not asked for them (rollout.logprobs_fraction).
+        "rollout_logprobs": [g.logprobs if g.logprobs is not None else [math.nan] * len(g.response_ids)
+                             for g in generations],
         "response_text": [g.text for g in generations],
         "ground_truth": [prompts[g.prompt_index].ground_truth for g in generations],
         "data_source": [prompts[g.prompt_index].data_source for g in generations],
@@ -206,10 +209,12 @@ def old_logprobs(config: Config, step: int) -> StageResult:
                               lambda batch: _finite_logprobs(config, step, batch))
     batch, mask = result["batch"], result["batch"].response_mask
     rollout_logprobs = _per_token(result["rollout"], "rollout_logprobs", batch.response_length)
-    difference = (result["values"] - rollout_logprobs).abs() * mask
+    measured = mask * torch.isfinite(rollout_logprobs)  # the rows that carry the engine's log-probs
+    difference = torch.where(measured.bool(), (result["values"] - rollout_logprobs).abs(), 0.0)
     metrics = result["metrics"]
-    metrics["rollout/logprob_diff_mean"] = float(masked_mean(difference, mask))
-    metrics["rollout/logprob_diff_max"] = float(difference.max())
+    if measured.any():  # rollout.logprobs_fraction=0: nothing to compare
+        metrics["rollout/logprob_diff_mean"] = float(masked_mean(difference, measured))
+        metrics["rollout/logprob_diff_max"] = float(difference.max())
     return {"path": result["path"], "metrics": metrics}
 
 

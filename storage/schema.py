@@ -60,7 +60,8 @@ COLUMNS: dict[str, Column] = dict([
     _column("response_ids", TOKEN_IDS, "[B, T]", "rollout", ROLES,
             "Sampled response token ids, unpadded; defines T for every per-token column."),
     _column("rollout_logprobs", TOKEN_FLOATS, "[B, T]", "rollout", ("driver",),
-            "Log-probs of the sampled tokens under the sampling distribution."),
+            "Log-probs of the sampled tokens under the sampling distribution; NaN on the samples the "
+            "engine was not asked for (rollout.logprobs_fraction)."),
     _column("response_text", pa.string(), "[B]", "rollout", ("reward",),
             "Detokenized response."),
     _column("ground_truth", pa.string(), "[B]", "rollout", ("reward",),

@@ -28,9 +28,9 @@ from components.algorithms.losses import entropy_from_logits, logprobs_from_logi
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
     try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        import triton
+        import triton.language
+    except Exception:
         return False
     return True
 

@@ -244,6 +244,24 @@ def test_on_policy_update_without_old_logprobs_matches_the_recomputed_ones(model
     assert gaps[1]["actor/ppo_kl"] == 0.0 and "rollout/logprob_diff_mean" not in gaps[0]
 
 
+def test_rollout_gap_leaves_out_samples_without_engine_logprobs(model, tokenizer):
+    """rollout.logprobs_fraction < 1: rows the engine gave no log-probs for (NaN) are not in the gap."""
+    batch = build_sequence_batch(PROMPTS, RESPONSES, tokenizer.pad_token_id)
+    actor = Actor(model, tokenizer, _config(micro_batch_size=2))
+    old_logprobs, _ = actor.compute_logprobs(batch)
+    rollout = old_logprobs + 0.25  # every measured token is off by exactly 0.25 ...
+    rollout[1] = float("nan")  # ... except row 1, not measured, and row 3, off by 2.0
+    rollout[3] = old_logprobs[3] + 2.0
+    advantages = torch.zeros(batch.size, batch.response_length)
+    metrics = actor.update(batch, old_logprobs=None, advantages=advantages, rollout_logprobs=rollout)
+    mask = batch.response_mask
+    measured = mask[0].sum() + mask[2].sum() + mask[3].sum()
+    expected = float((0.25 * (mask[0].sum() + mask[2].sum()) + 2.0 * mask[3].sum()) / measured)
+    assert metrics["rollout/logprob_diff_mean"] == pytest.approx(expected, abs=1e-5)
+    assert metrics["rollout/logprob_diff_max"] == pytest.approx(2.0, abs=1e-5)
+    assert "actor/nonfinite_samples" not in metrics
+
+
 def test_on_policy_update_is_refused_when_it_is_not(model, tokenizer):
     actor = Actor(model, tokenizer, _config(ppo_mini_batch_size=2, micro_batch_size=2))
     batch = build_sequence_batch(PROMPTS, RESPONSES, tokenizer.pad_token_id)

@@ -15,6 +15,12 @@ from components.algorithms.fused import logprobs_and_entropy, triton_available
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 
+def _triton_version() -> tuple[int, ...]:
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+
 def test_unfused_matches_hand_computed_values():
     probabilities = torch.tensor([0.1, 0.2, 0.3, 0.4])
     # Position 0 predicts label 3, position 1 predicts label 0; position 2 (past the labels) is ignored.
@@ -38,7 +44,7 @@ def test_rejects_logits_that_do_not_cover_the_labels():
         logprobs_and_entropy(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), 0.0)
 
 
-def _compare(logits, labels, temperature, entropy_grad, *, atol, grad_atol):
+def _compare(logits, labels, temperature, entropy_grad, *, atol, grad_atol, grad_rtol=0.0):
     """Fused and unfused values and gradients of sum(g1 * logprobs) (+ sum(g2 * entropy))."""
     generator = torch.Generator().manual_seed(1)
     g1 = torch.randn(labels.shape, generator=generator).to(logits.device)
@@ -54,7 +60,7 @@ def _compare(logits, labels, temperature, entropy_grad, *, atol, grad_atol):
     (lp, ent, grad), (lp_ref, ent_ref, grad_ref) = results
     torch.testing.assert_close(lp, lp_ref, atol=atol, rtol=0)
     torch.testing.assert_close(ent, ent_ref, atol=atol, rtol=0)
-    torch.testing.assert_close(grad.float(), grad_ref.float(), atol=grad_atol, rtol=0)
+    torch.testing.assert_close(grad.float(), grad_ref.float(), atol=grad_atol, rtol=grad_rtol)
     assert grad.dtype == logits.dtype
     # Positions past the labels get no gradient.
     assert float(grad[:, labels.shape[1]:].abs().max()) == 0.0
@@ -73,13 +79,15 @@ def _interpreted_case(vocab: int, temperature: float, entropy_grad: bool) -> Non
 
 
 @needs_triton
+@pytest.mark.skipif(triton_available() and _triton_version() < (3, 9),
+                    reason="older Triton interpreters cannot loop to a bound passed as a kernel argument")
 @pytest.mark.parametrize("vocab,temperature,entropy_grad", [(1000, 1.0, False), (9000, 0.7, False), (9000, 0.7, True)])
 def test_interpreted_kernels_match_pytorch(vocab, temperature, entropy_grad):
     # The Triton kernels, run by Triton's interpreter on the CPU. It must be on before triton.language
     # is first imported, hence a fresh process.
     root = Path(__file__).resolve().parents[2]
     code = f"from tests.components.test_fused import _interpreted_case; _interpreted_case({vocab}, {temperature}, {entropy_grad})"
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+    done = subprocess.run([sys.executable, "-c", code], check=False, cwd=root, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
     assert done.returncode == 0 and "compared" in done.stdout, done.stderr[-3000:]
 
@@ -90,5 +98,6 @@ def test_compiled_kernels_match_pytorch_in_bf16_on_cuda():
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(2, 65, 151936, generator=generator) * 4).to("cuda", torch.bfloat16)
     labels = torch.randint(0, 151936, (2, 64), generator=generator).cuda()
-    _compare(logits, labels, 0.8, False, atol=1e-4, grad_atol=1e-4)
-    _compare(logits, labels, 1.0, True, atol=1e-4, grad_atol=1e-4)
+    # Gradients are stored in bf16 by both paths: equal up to one bf16 rounding step (2^-7 relative).
+    _compare(logits, labels, 0.8, False, atol=1e-4, grad_atol=1e-4, grad_rtol=2**-7)
+    _compare(logits, labels, 1.0, True, atol=1e-4, grad_atol=1e-4, grad_rtol=2**-7)

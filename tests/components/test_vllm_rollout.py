@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from components.rollout import SamplingParams
+from components.rollout import SamplingParams, logprob_prompts
 from components.vllm_rollout import installed_vllm, vllm_supports
 
 DEVICE = "cuda" if torch.cuda.is_available() and vllm_supports("cuda") else "cpu"
@@ -104,6 +104,24 @@ def test_seeded_sampling_is_reproducible_and_seeds_matter(engine):
     assert first != other
     # Samples of one prompt differ from each other (each child request has its own seed).
     assert len({tuple(ids) for ids in first[:4]}) > 1
+
+
+def test_logprobs_only_for_the_requested_share_of_prompts(engine):
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, seed=9, ignore_eos=True,
+                            logprobs_fraction=0.5)
+    generations = engine.generate(PROMPTS, params)
+    # ceil(3 * 0.5) = 2 prompts, spread evenly: indices 0 * 3 // 2 = 0 and 1 * 3 // 2 = 1.
+    assert [g.logprobs is not None for g in generations] == [True, True, True, True, False, False]
+    assert all(len(g.logprobs) == MAX_NEW for g in generations[:4])
+    assert all(len(g.response_ids) == MAX_NEW for g in generations)
+
+
+def test_logprob_prompts_are_spread_evenly():
+    assert logprob_prompts(64, 0.125) == set(range(0, 64, 8))
+    assert logprob_prompts(5, 0.5) == {0, 1, 3}  # ceil(2.5) = 3 prompts: 0*5//3, 1*5//3, 2*5//3
+    assert logprob_prompts(5, 0.01) == {0}  # at least one
+    assert logprob_prompts(3, 1.0) == {0, 1, 2}
+    assert logprob_prompts(3, 0.0) == set()  # rollout.logprobs_fraction=0: no consistency check
 
 
 def test_fixed_length_and_minimum_length(engine):

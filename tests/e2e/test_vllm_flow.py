@@ -6,6 +6,7 @@ rollout/logprob_diff_* metrics measure its log-probs against the actor's recompu
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -29,7 +30,8 @@ def test_flow_with_vllm_rollout_keeps_logprobs_consistent(prefect_api, tmp_path,
     from flows.train import train
 
     config = make_config(tmp_path, "vllm", "e2e-vllm",
-                         rollout={"engine": "vllm", "n": 4, "max_new_tokens": 6, "kv_cache_gib": 0.5},
+                         rollout={"engine": "vllm", "n": 4, "max_new_tokens": 6, "kv_cache_gib": 0.5,
+                                  "logprobs_fraction": 0.5},
                          actor={"ppo_mini_batch_size": 8, "micro_batch_size": 8, "optim": {"lr": 1e-3}},
                          warm_start={"steps": 3, "batch_size": 8},
                          trainer={"total_steps": STEPS, "val_every": 1, "device": "cpu"})
@@ -60,3 +62,9 @@ def test_flow_with_vllm_rollout_keeps_logprobs_consistent(prefect_api, tmp_path,
         logprobs = rollout.column("rollout_logprobs").to_pylist()
         assert len(responses) == 4 * 4
         assert all(len(r) == len(lp) and 1 <= len(r) <= 6 for r, lp in zip(responses, logprobs))
+        # logprobs_fraction=0.5: the engine's log-probs for prompts 0 and 2 of 4 (all their samples), NaN
+        # for the others; the gap above is measured on those.
+        measured = [all(math.isfinite(value) for value in row) for row in logprobs]
+        unmeasured = [all(math.isnan(value) for value in row) for row in logprobs]
+        assert measured == [group in (0, 2) for group in range(4) for _ in range(4)]
+        assert unmeasured == [not flag for flag in measured]
