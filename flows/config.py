@@ -249,6 +249,10 @@ class TrainerConfig(Section):
     a resumed run restarts from the latest one, so N=1 redoes at most the failed step."""
     keep_checkpoints: int = Field(2, gt=0)
     """How many checkpoints to keep (the oldest are deleted once a newer one is committed)."""
+    keep_weights: int | None = Field(3, ge=2)
+    """Published actor weight copies to keep (weights/actor/<k>, one full model each): the newest N, plus
+    step 0 and every step that still has a checkpoint; older ones are deleted after each update. None:
+    keep every step (to `rlhf export` any step later)."""
     execution: Literal["local", "workers"] = "local"
     """local: every stage runs in the flow's process; workers: each role's stages run in that role's
     long-lived worker (`rlhf worker`, started for you by `rlhf run`)."""

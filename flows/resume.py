@@ -44,6 +44,21 @@ def latest_checkpoint(layout: RunLayout) -> int | None:
     return int(read_json(layout.fs, path)["step"])
 
 
+def prune_weights(layout: RunLayout, newest: int, keep: int | None) -> list[int]:
+    """Delete the actor's published weights older than the newest `keep` (counted back from `newest`),
+    except step 0 and the steps that still have a checkpoint (a resume reloads the rollout from them).
+    Returns the deleted steps."""
+    if keep is None:
+        return []
+    protected = {0, *layout.step_folders(f"{layout.run_dir}/checkpoints")}
+    deleted = []
+    for step in layout.step_folders(f"{layout.run_dir}/weights/actor"):
+        if step <= newest - keep and step not in protected:
+            layout.fs.rm(layout.weights_dir("actor", step), recursive=True)
+            deleted.append(step)
+    return deleted
+
+
 def commit_checkpoint(layout: RunLayout, step: int, driver_state: dict, keep: int) -> None:
     """Record the driver's part, point `latest` at step k, then delete all but the newest `keep`."""
     write_json_atomic(layout.fs, f"{layout.checkpoint_dir(step)}/driver.json", driver_state)

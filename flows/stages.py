@@ -25,6 +25,7 @@ from components.algorithms import (
 from components.batch import SequenceBatch, build_sequence_batch
 from components.rollout import SamplingParams
 from flows.config import Config
+from flows.resume import prune_weights
 from flows.roles import get_role, initial_policy_path, layout_for
 from components.distributed import full_state_dict, is_writer
 from storage import atomic_directory, padded_tensor, read_stage, unpad
@@ -285,6 +286,8 @@ def update_actor(config: Config, step: int) -> StageResult:
         if is_writer():
             with atomic_directory(layout.fs, path) as local:
                 actor.model.save_pretrained(local, state_dict=state)
+            # Older copies are not read again (with one_step_ahead the rollout is one copy behind).
+            prune_weights(layout, step + 1, config.trainer.keep_weights)
     return {"path": path, "metrics": metrics}
 
 

@@ -105,21 +105,25 @@ class RunLayout:
                 stages.add(stem)
         return stages
 
+    def step_folders(self, parent: str) -> list[int]:
+        """The steps named by `parent`'s subfolders (canonical spellings only: 0, 1, 12, ...), sorted."""
+        if not self.fs.exists(parent):
+            return []
+        steps = []
+        for entry in self.fs.ls(parent, detail=False):
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if re.fullmatch(r"0|[1-9][0-9]*", name):
+                steps.append(int(name))
+        return sorted(steps)
+
     def latest_weights(self, role: str) -> tuple[int, str] | None:
         """Highest step whose weights dir for `role` carries the commit marker.
 
         Directories without the marker are partial uploads (or crashed
         writes) and must never be loaded.
         """
-        role_dir = _join(self.run_dir, "weights", _check_path_component(role, "role"))
-        if not self.fs.exists(role_dir):
-            return None
-        steps = []
-        for entry in self.fs.ls(role_dir, detail=False):
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
-            # Only canonical spellings, so weights_dir(role, step) maps back to it.
-            if re.fullmatch(r"0|[1-9][0-9]*", name):
-                steps.append(int(name))
+        # Only canonical spellings, so weights_dir(role, step) maps back to it.
+        steps = self.step_folders(_join(self.run_dir, "weights", _check_path_component(role, "role")))
         for step in sorted(steps, reverse=True):
             path = self.weights_dir(role, step)
             if self.fs.exists(_join(path, COMMITTED_MARKER)):

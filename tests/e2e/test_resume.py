@@ -24,14 +24,16 @@ STEPS = 3
 
 @pytest.fixture(scope="session")
 def _config(make_config):
-    """PPO with a critic, a warm-start and a KL loss: every stage kind takes part."""
+    """PPO with a critic, a warm-start and a KL loss: every stage kind takes part. One checkpoint and two
+    weight copies are kept, so that older published weights are deleted during the run."""
     def make(tmp_path, tiny_inputs, name):
         return make_config(tmp_path, name, "resume",
                            actor={"ppo_mini_batch_size": 8, "micro_batch_size": 4, "use_kl_loss": True,
                                   "optim": {"lr": 1e-3}},
                            critic={"ppo_mini_batch_size": 8, "micro_batch_size": 4},
                            algorithm={"adv_estimator": "gae"}, warm_start={"steps": 2, "batch_size": 8},
-                           trainer={"total_steps": STEPS, "val_every": 1, "device": "cpu"})
+                           trainer={"total_steps": STEPS, "val_every": 1, "device": "cpu",
+                                    "keep_checkpoints": 1, "keep_weights": 2})
 
     return make
 
@@ -54,6 +56,9 @@ def _fingerprint(config) -> dict:
                for path in sorted(root.glob(f"weights/actor/{STEPS}/*.safetensors"))
                + sorted(root.glob(f"checkpoints/{STEPS}/*/*.safetensors"))}
     assert weights, "no final weights"
+    # keep_weights=2: the warm start (0) and the newest two copies; copy 1 was deleted by the update of
+    # step 2 (no checkpoint referred to it any more), and a resume from checkpoint 2 found copy 2.
+    assert layout.step_folders(f"{layout.run_dir}/weights/actor") == [0, STEPS - 1, STEPS]
     client = MlflowClient(tracking_uri=config.tracking.tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name("resume").experiment_id],
                               f"tags.`rlhf.run_name` = '{config.run.name}'")

@@ -70,3 +70,26 @@ def test_latest_weights_skips_uncommitted_dirs(tmp_path, memory):
     _touch(layout.fs, f"{layout.run_dir}/weights/actor/12.tmp-ff/{COMMITTED_MARKER}")
     assert layout.latest_weights("actor") == (10, layout.weights_dir("actor", 10))
     assert layout.latest_weights("critic") is None
+
+
+def test_prune_weights_keeps_the_newest_step_zero_and_checkpointed_steps(tmp_path):
+    from flows.resume import prune_weights
+
+    layout = RunLayout(str(tmp_path), "r")
+    for step in range(7):  # weights/actor/0..6, each committed
+        _touch(layout.fs, f"{layout.weights_dir('actor', step)}/{COMMITTED_MARKER}")
+    _touch(layout.fs, f"{layout.weights_dir('actor', 2)}/model.safetensors", b"x")
+    _touch(layout.fs, f"{layout.checkpoint_dir(2)}/driver.json", b"{}")  # a resume would reload step 2
+    layout.fs.makedirs(f"{layout.run_dir}/weights/actor/03x", exist_ok=True)  # not a step: left alone
+
+    assert prune_weights(layout, newest=6, keep=None) == []  # keep everything
+    # keep 3: steps 4, 5, 6 are the newest; 0 and the checkpointed 2 stay; 1 and 3 go.
+    assert prune_weights(layout, newest=6, keep=3) == [1, 3]
+    assert layout.step_folders(f"{layout.run_dir}/weights/actor") == [0, 2, 4, 5, 6]
+    assert layout.fs.exists(f"{layout.weights_dir('actor', 2)}/model.safetensors")
+    assert layout.fs.exists(f"{layout.run_dir}/weights/actor/03x")
+    assert layout.latest_weights("actor") == (6, layout.weights_dir("actor", 6))
+    # Once checkpoint 2 is gone (keep_checkpoints), its weights go with the next update.
+    layout.fs.rm(layout.checkpoint_dir(2), recursive=True)
+    assert prune_weights(layout, newest=7, keep=3) == [2, 4]
+    assert layout.step_folders(f"{layout.run_dir}/weights/actor") == [0, 5, 6]
