@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from components.algorithms import aggregate_loss, get_policy_loss, kl_loss
+from components.algorithms import aggregate_loss, get_policy_loss, kl_loss, logprob_gap
 from components.algorithms.fused import logprobs_and_entropy
 from components.batch import SequenceBatch, model_logits
 from components.models import load_causal_lm, load_tokenizer
@@ -23,10 +23,8 @@ def _accumulate_gap(gap: dict, logprobs: torch.Tensor, rollout_logprobs: torch.T
     """Add one micro-batch's |actor - rollout engine| log-prob gap over response tokens to `gap`.
 
     Rows without the engine's log-probs (NaN: rollout.logprobs_fraction) are left out of the gap."""
-    finite = torch.isfinite(logprobs) | ~mask.bool()
-    gap["nonfinite"] += int((~finite).any(dim=-1).sum())
-    measured = mask * torch.isfinite(rollout_logprobs)
-    difference = torch.where(finite & measured.bool(), (logprobs - rollout_logprobs).abs(), 0.0)
+    gap["nonfinite"] += int((~torch.isfinite(logprobs) & mask.bool()).any(dim=-1).sum())
+    difference, measured = logprob_gap(logprobs, rollout_logprobs, mask)
     gap["sum"] += float(difference.sum())
     gap["tokens"] += float(measured.sum())
     gap["max"] = max(gap["max"], float(difference.max()) if difference.numel() else 0.0)

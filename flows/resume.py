@@ -63,10 +63,7 @@ def commit_checkpoint(layout: RunLayout, step: int, driver_state: dict, keep: in
     """Record the driver's part, point `latest` at step k, then delete all but the newest `keep`."""
     write_json_atomic(layout.fs, f"{layout.checkpoint_dir(step)}/driver.json", driver_state)
     write_json_atomic(layout.fs, f"{layout.run_dir}/checkpoints/latest.json", {"step": step})
-    root = f"{layout.run_dir}/checkpoints"
-    steps = sorted(int(entry.rstrip("/").rsplit("/", 1)[-1]) for entry in layout.fs.ls(root, detail=False)
-                   if entry.rstrip("/").rsplit("/", 1)[-1].isdigit())
-    for old in steps[:-keep]:
+    for old in layout.step_folders(f"{layout.run_dir}/checkpoints")[:-keep]:
         layout.fs.rm(layout.checkpoint_dir(old), recursive=True)
 
 

@@ -19,6 +19,7 @@ import torch
 from components.algorithms import (
     apply_kl_penalty,
     get_advantage_estimator,
+    logprob_gap,
     masked_mean,
     sequence_scores_to_token_rewards,
 )
@@ -210,8 +211,7 @@ def old_logprobs(config: Config, step: int) -> StageResult:
                               lambda batch: _finite_logprobs(config, step, batch))
     batch, mask = result["batch"], result["batch"].response_mask
     rollout_logprobs = _per_token(result["rollout"], "rollout_logprobs", batch.response_length)
-    measured = mask * torch.isfinite(rollout_logprobs)  # the rows that carry the engine's log-probs
-    difference = torch.where(measured.bool(), (result["values"] - rollout_logprobs).abs(), 0.0)
+    difference, measured = logprob_gap(result["values"], rollout_logprobs, mask)
     metrics = result["metrics"]
     if measured.any():  # rollout.logprobs_fraction=0: nothing to compare
         metrics["rollout/logprob_diff_mean"] = float(masked_mean(difference, measured))

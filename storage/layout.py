@@ -124,7 +124,7 @@ class RunLayout:
         """
         # Only canonical spellings, so weights_dir(role, step) maps back to it.
         steps = self.step_folders(_join(self.run_dir, "weights", _check_path_component(role, "role")))
-        for step in sorted(steps, reverse=True):
+        for step in reversed(steps):
             path = self.weights_dir(role, step)
             if self.fs.exists(_join(path, COMMITTED_MARKER)):
                 return step, path

@@ -37,6 +37,17 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return log_probs.gather(dim=-1, index=labels.long().unsqueeze(-1)).squeeze(-1)
 
 
+def logprob_gap(logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """|actor - rollout engine| per token ``[B, T]`` and the mask of the tokens it covers ``[B, T]``.
+
+    Covered: response tokens whose engine log-prob exists (NaN marks samples the engine was not asked
+    for, rollout.logprobs_fraction) and whose actor log-prob is finite; elsewhere the gap is 0.
+    """
+    measured = mask * torch.isfinite(engine_logprobs) * torch.isfinite(logprobs)
+    return torch.where(measured.bool(), (logprobs - engine_logprobs).abs(), 0.0), measured
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """H = logsumexp(l) - sum_v softmax(l)_v * l_v: ``[B, T, V]`` -> ``[B, T]`` (float32)."""
     logits = logits.float()
