@@ -6,6 +6,11 @@
 #   bash bench/gpu-session.sh 4        phase 4: bench/rollout.py with a tensor-parallel engine over both GPUs
 #   bash bench/gpu-session.sh 5        phase 5: bench/rollout.py alone on GPU 0
 #   bash bench/gpu-session.sh 6        phase 6: as phase 3, with trainer.one_step_ahead
+#   bash bench/gpu-session.sh u        bench/update.py on GPU 0: the actor update alone, variants (and the code
+#                                      before this change when .baseline/ holds a copy of it)
+#   bash bench/gpu-session.sh t        the step table in one call: GPU 0: product GRPO, then product PPO | GPU 1: TRL
+#                                      GRPO; then both GPUs: product GRPO with one-step-ahead, then without (2
+#                                      measured steps each, one shared Prefect server; STEPS=3 for more)
 #   bash bench/gpu-session.sh k        kernel: the fused log-prob kernel's CUDA test and bench/logprobs.py on GPU 0
 #   bash bench/gpu-session.sh a b      phase a: bench/rollout.py on GPU 0  |  TRL GRPO on GPU 1
 #                                      phase b: product GRPO on GPU 0      |  product PPO on GPU 1
@@ -22,13 +27,23 @@ PY=${PYTHON:-python3}
 MODEL=${MODEL:-/tmp/rlhf-bench-models/qwen2.5-0.5b}
 "$PY" -c "from bench.common import make_random_model; print(make_random_model('$MODEL'))"
 
+shared_prefect_server() {  # one Prefect server for every run of the session (saves its start per run)
+  [ -n "${PREFECT_API_URL:-}" ] && return
+  local port=4299
+  PREFECT_HOME=/tmp/rlhf-bench-prefect PREFECT_LOGGING_LEVEL=WARNING "$PY" -m prefect server start --host 127.0.0.1 \
+    --port $port > "$OUT/prefect-server.log" 2>&1 &
+  export PREFECT_API_URL=http://127.0.0.1:$port/api
+  "$PY" -c "from flows.launcher import wait_until_healthy; wait_until_healthy('${PREFECT_API_URL%/}', None)"
+  echo "== $(date +%T) shared Prefect server at $PREFECT_API_URL"
+}
+
 run() {  # run NAME GPUS COMMAND...: log to $OUT/NAME.log, keep the JSON in $OUT/NAME.json
   local name=$1 gpus=$2; shift 2
-  echo "== $name on GPU $gpus: $*"
+  echo "== $(date +%T) $name on GPU $gpus: $*"
   CUDA_VISIBLE_DEVICES=$gpus timeout "${RUN_TIMEOUT:-560}" "$PY" "$@" --model-dir "$MODEL" --out "$OUT/$name.json" \
     > "$OUT/$name.log" 2>&1
   local rc=$?
-  echo "== $name exit $rc"; grep -E "^\| |^RESULT" "$OUT/$name.log" | cut -c1-400 || tail -25 "$OUT/$name.log"
+  echo "== $(date +%T) $name exit $rc"; grep -E "^\| |^RESULT" "$OUT/$name.log" | cut -c1-400 || tail -25 "$OUT/$name.log"
   [ $rc -eq 0 ] || tail -40 "$OUT/$name.log"
 }
 
@@ -44,6 +59,31 @@ for phase in "$@"; do
     4) run rollout-tp2 0,1 bench/rollout.py --tp 2 ;;
     5) run rollout-1gpu 0 bench/rollout.py ;;
     6) run grpo-2gpu-ahead 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead ;;
+    u) update() {  # update NAME ARGS...: bench/update.py on GPU 0
+         local name=$1; shift
+         echo "== update $name: $*"
+         CUDA_VISIBLE_DEVICES=0 timeout 300 "$PY" bench/update.py --model-dir "$MODEL" --out "$OUT/update-$name.json" "$@" \
+           > "$OUT/update-$name.log" 2>&1 || tail -30 "$OUT/update-$name.log"
+         grep -E "^\||^profiled|^update [0-9]|compiled" "$OUT/update-$name.log"
+       }
+       if [ -d .baseline ]; then  # the code before the change, run from its own copy
+         (cd .baseline && CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$PWD" timeout 300 "$PY" bench/update.py --model-dir "$MODEL" \
+            --label before --profile --out "$OUT/update-before.json" > "$OUT/update-before.log" 2>&1 \
+            || tail -30 "$OUT/update-before.log"; grep -E "^\||^profiled|^update [0-9]" "$OUT/update-before.log")
+       fi
+       update defaults --profile
+       update compile --profile --set model.compile=true
+       update micro32 --micro-batch 32
+       update compile-micro32 --micro-batch 32 --set model.compile=true
+       update unfused --set model.fused_logprobs=false ;;
+    t) shared_prefect_server
+       steps=${STEPS:-2}
+       { run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps"
+         run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps"; } &
+       run trl-grpo-1gpu 1 bench/trl_grpo.py --steps "$steps" &
+       wait
+       run grpo-2gpu-ahead 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps"
+       run grpo-2gpu 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps" ;;
     k) CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -q -p no:cacheprovider tests/components/test_fused.py 2>&1 | tail -3
        CUDA_VISIBLE_DEVICES=0 "$PY" bench/logprobs.py --out "$OUT/logprobs.json" 2>&1 | grep -E "^\||^logits|Error" ;;
     a) run rollout-1gpu 0 bench/rollout.py &

@@ -16,18 +16,24 @@ from components.algorithms import aggregate_loss, get_policy_loss, kl_loss, logp
 from components.algorithms.fused import logprobs_and_entropy
 from components.batch import SequenceBatch, model_logits
 from components.models import load_causal_lm, load_tokenizer
-from components.training import Updater
+from components.training import Updater, device_rows, to_device
 
 
 def _accumulate_gap(gap: dict, logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
     """Add one micro-batch's |actor - rollout engine| log-prob gap over response tokens to `gap`.
 
-    Rows without the engine's log-probs (NaN: rollout.logprobs_fraction) are left out of the gap."""
-    gap["nonfinite"] += int((~torch.isfinite(logprobs) & mask.bool()).any(dim=-1).sum())
+    Rows without the engine's log-probs (NaN: rollout.logprobs_fraction) are left out of the gap. The sums
+    stay on the device (read once after the update)."""
+    nonfinite = (~torch.isfinite(logprobs) & mask.bool()).any(dim=-1).sum()
     difference, measured = logprob_gap(logprobs, rollout_logprobs, mask)
-    gap["sum"] += float(difference.sum())
-    gap["tokens"] += float(measured.sum())
-    gap["max"] = max(gap["max"], float(difference.max()) if difference.numel() else 0.0)
+    largest = difference.max() if difference.numel() else difference.new_zeros(())
+    if not gap:
+        gap.update(sum=difference.new_zeros(()), tokens=difference.new_zeros(()), max=difference.new_zeros(()),
+                   nonfinite=nonfinite.new_zeros(()))
+    gap["nonfinite"] += nonfinite
+    gap["sum"] += difference.sum()
+    gap["tokens"] += measured.sum()
+    gap["max"] = torch.maximum(gap["max"], largest)
 
 
 @torch.no_grad()
@@ -101,30 +107,35 @@ class Actor:
                              f"actor.ppo_mini_batch_size >= {batch.size} (the batch)")
         policy_loss = get_policy_loss(config.policy_loss)
         device = self.device
-        gap = {"sum": 0.0, "tokens": 0.0, "max": 0.0, "nonfinite": 0}
+        gap: dict[str, torch.Tensor] = {}
+        response_mask = batch.response_mask  # on the host: the loop's row weights are read without a sync
+        batch = batch.to(device)
+        old_logprobs, advantages, ref_logprobs, rollout_logprobs = to_device(
+            device, old_logprobs, advantages, ref_logprobs, rollout_logprobs)
 
         def micro_loss(indices: torch.Tensor):
-            micro = batch.select(indices).to(device)
+            indices = device_rows(indices, device)
+            micro = batch.select(indices)
             # The entropy is a metric without an autograd graph unless entropy_coeff puts it in the loss.
             logprobs, token_entropy = logprobs_and_entropy(
                 model_logits(self.model, micro), micro.response_ids, self.temperature,
                 entropy_grad=bool(config.entropy_coeff), fused=self.fused)
             if rollout_logprobs is not None:
-                _accumulate_gap(gap, logprobs.detach(), rollout_logprobs[indices].to(device), micro.response_mask)
+                _accumulate_gap(gap, logprobs.detach(), rollout_logprobs[indices], micro.response_mask)
             loss, metrics = policy_loss(
                 logprobs=logprobs,
-                old_logprobs=logprobs.detach() if old_logprobs is None else old_logprobs[indices].to(device),
-                advantages=advantages[indices].to(device), response_mask=micro.response_mask,
+                old_logprobs=logprobs.detach() if old_logprobs is None else old_logprobs[indices],
+                advantages=advantages[indices], response_mask=micro.response_mask,
                 clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
                 clip_ratio_c=config.clip_ratio_c, loss_agg_mode=config.loss_agg_mode,
             )
             entropy = aggregate_loss(token_entropy, micro.response_mask, config.loss_agg_mode)
-            metrics["actor/entropy"] = float(entropy.detach())
+            metrics["actor/entropy"] = entropy.detach()
             if config.entropy_coeff:
                 loss = loss - config.entropy_coeff * entropy
             if config.use_kl_loss:
                 kl_term, kl_metrics = kl_loss(
-                    logprobs=logprobs, ref_logprobs=ref_logprobs[indices].to(device),
+                    logprobs=logprobs, ref_logprobs=ref_logprobs[indices],
                     response_mask=micro.response_mask, estimator=config.kl_loss_type,
                     loss_agg_mode=config.loss_agg_mode,
                 )
@@ -132,13 +143,14 @@ class Actor:
                 metrics.update(kl_metrics)
             return loss, metrics
 
-        metrics = self.updater.update(batch.response_mask, micro_loss, prefix="actor")
+        metrics = self.updater.update(response_mask, micro_loss, prefix="actor")
+        gap = {name: float(value) for name, value in gap.items()}
         if rollout_logprobs is not None and (gap["tokens"] or gap["nonfinite"]):  # none measured: no metric
             metrics["rollout/logprob_diff_mean"] = (gap["sum"] / max(gap["tokens"], 1.0) if not gap["nonfinite"]
                                                     else float("nan"))
             metrics["rollout/logprob_diff_max"] = gap["max"]
             if gap["nonfinite"]:
-                metrics["actor/nonfinite_samples"] = float(gap["nonfinite"])
+                metrics["actor/nonfinite_samples"] = gap["nonfinite"]
         return metrics
 
     def generate(self, prompts, **sampling):

@@ -11,7 +11,7 @@ import torch
 from components.algorithms import value_loss
 from components.batch import SequenceBatch
 from components.models import load_pretrained
-from components.training import Updater
+from components.training import Updater, device_rows, to_device
 
 
 def response_values(model, batch: SequenceBatch) -> torch.Tensor:
@@ -64,11 +64,15 @@ class Critic:
         """Clipped value regression on the returns (inputs `[B, T]`); returns `critic/*` metrics."""
         config = self.config
         device = self.device
+        response_mask = batch.response_mask  # on the host: the loop's row weights are read without a sync
+        batch = batch.to(device)
+        old_values, returns = to_device(device, old_values, returns)
 
         def micro_loss(indices: torch.Tensor):
-            micro = batch.select(indices).to(device)
-            return value_loss(values=response_values(self.model, micro), old_values=old_values[indices].to(device),
-                              returns=returns[indices].to(device), response_mask=micro.response_mask,
+            indices = device_rows(indices, device)
+            micro = batch.select(indices)
+            return value_loss(values=response_values(self.model, micro), old_values=old_values[indices],
+                              returns=returns[indices], response_mask=micro.response_mask,
                               cliprange_value=config.cliprange_value, loss_agg_mode=config.loss_agg_mode)
 
-        return self.updater.update(batch.response_mask, micro_loss, prefix="critic")
+        return self.updater.update(response_mask, micro_loss, prefix="critic")

@@ -52,6 +52,11 @@ class ModelConfig(Section):
     fused_logprobs: bool = True
     """On CUDA, token log-probs and entropy of the actor and reference by one Triton kernel straight from
     the LM head's logits (no float32 [B, T, V] copy); false: the plain PyTorch expression. Same values."""
+    compile: bool = True
+    """On CUDA, torch.compile each transformer block of the actor and critic (regional compilation): fuses
+    the norms, rotary embedding and activations between the matmuls (a 0.5B update: 1.48x faster, 19%
+    less memory). Costs a compile of about 8 s in the first update, and one more when the sequence length
+    first changes; ignored on the CPU and when the model is sharded (FSDP). false: eager PyTorch."""
     trust_remote_code: bool = False
     """Passed to from_pretrained (only for hub models you trust)."""
     from_run: str | None = None

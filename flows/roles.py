@@ -127,6 +127,7 @@ def _build_actor(config: Config):
                                   temperature=config.rollout.temperature, seed=config.trainer.seed,
                                   fused=config.model.fused_logprobs, **_model_kwargs(config))
     _shard_if_distributed(actor.model)
+    _compile_if_asked(config, actor.model)
     _restore_trainer_state(actor.updater, checkpoint)
     return actor
 
@@ -146,6 +147,15 @@ def _restore_trainer_state(updater, checkpoint: str | None) -> None:
         from components.checkpoint import load_trainer_state
 
         load_trainer_state(updater, checkpoint)
+
+
+def _compile_if_asked(config: Config, model) -> None:
+    """model.compile: compile the blocks of a trained model on CUDA (not the CPU, not a sharded model)."""
+    from components.distributed import is_distributed
+    from components.models import compile_layers
+
+    if config.model.compile and next(model.parameters()).is_cuda and not is_distributed():
+        print(f"model.compile: {compile_layers(model)} transformer blocks compiled")
 
 
 def _shard_if_distributed(model) -> None:
@@ -176,6 +186,7 @@ def _build_critic(config: Config):
         critic = Critic.from_pretrained(checkpoint or config.critic.model_path or initial_policy_path(config),
                                         config.critic, seed=config.trainer.seed, **_model_kwargs(config))
     _shard_if_distributed(critic.model)
+    _compile_if_asked(config, critic.model)
     _restore_trainer_state(critic.updater, checkpoint)
     return critic
 

@@ -159,7 +159,8 @@ def kl_loss(
     response_mask: torch.Tensor,
     estimator: str = "k3",
     loss_agg_mode: str = "token-mean",
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """KL-as-loss (GRPO style): agg(KL_t) over valid tokens; returns a scalar. Inputs ``[B, T]``."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-as-loss (GRPO style): agg(KL_t) over valid tokens; returns a scalar and its detached value as the metric.
+    Inputs ``[B, T]``."""
     loss = aggregate_loss(kl_penalty(logprobs, ref_logprobs, estimator), response_mask, loss_agg_mode)
-    return loss, {"actor/kl_loss": loss.item()}
+    return loss, {"actor/kl_loss": loss.detach()}

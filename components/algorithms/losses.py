@@ -1,7 +1,8 @@
 """Token log-probabilities, entropy, and the actor / critic losses.
 
 Shape legend: ``B`` batch of sequences, ``T`` response length (tokens), ``V`` vocab.
-Every loss returns ``(loss, metrics)``: a scalar tensor and verl-named float metrics.
+Every loss returns ``(loss, metrics)``: a scalar tensor and verl-named metrics as detached 0-d tensors
+(no host-device sync per micro-batch; the update loop sums them on the device and reads them once).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 
 from components.algorithms.core import aggregate_loss, lookup, masked_mean
 
-PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+Metrics = dict[str, torch.Tensor]
+PolicyLoss = Callable[..., tuple[torch.Tensor, Metrics]]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
@@ -65,7 +67,7 @@ def ppo_policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """Clipped PPO surrogate (Schulman et al. 2017) with dual clip (Ye et al. 2020).
 
     r = exp(logp - logp_old);  L = max(-A r, -A clip(r, 1 - low, 1 + high));
@@ -91,10 +93,10 @@ def ppo_policy_loss(
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
     loss = aggregate_loss(pg_losses, mask, loss_agg_mode)
     metrics = {
-        "actor/pg_loss": loss.item(),
-        "actor/pg_clipfrac": pg_clipfrac.item(),
-        "actor/pg_clipfrac_lower": pg_clipfrac_lower.item(),
-        "actor/ppo_kl": masked_mean(-negative_approx_kl, mask).item(),
+        "actor/pg_loss": loss.detach(),
+        "actor/pg_clipfrac": pg_clipfrac,
+        "actor/pg_clipfrac_lower": pg_clipfrac_lower,
+        "actor/ppo_kl": masked_mean(-negative_approx_kl.detach(), mask),
     }
     return loss, metrics
 
@@ -107,7 +109,7 @@ def value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float = 0.5,
     loss_agg_mode: str = "token-mean",
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """Clipped value loss (verl): 0.5 * agg(max((V - R)^2, (V_old + clip(V - V_old, +-c) - R)^2)).
 
     Clipping keeps the critic from moving further than ``c`` from its rollout-time value.
@@ -119,8 +121,8 @@ def value_loss(
     vf_losses2 = (clipped_values - returns) ** 2
     loss = 0.5 * aggregate_loss(torch.maximum(vf_losses1, vf_losses2), mask, loss_agg_mode)
     metrics = {
-        "critic/vf_loss": loss.item(),
-        "critic/vf_clipfrac": masked_mean(torch.gt(vf_losses2, vf_losses1).float(), mask).item(),
-        "critic/vpred_mean": masked_mean(values, mask).item(),
+        "critic/vf_loss": loss.detach(),
+        "critic/vf_clipfrac": masked_mean(torch.gt(vf_losses2, vf_losses1).float(), mask),
+        "critic/vpred_mean": masked_mean(values.detach(), mask),
     }
     return loss, metrics

@@ -184,3 +184,32 @@ def test_load_pretrained_passes_extra_kwargs(model_path):
     assert model.score.out_features == 1
     causal = load_causal_lm(str(model_path), device="cpu")
     torch.testing.assert_close(model.model.embed_tokens.weight, causal.model.embed_tokens.weight)
+
+
+def test_compile_layers_compiles_every_block_and_keeps_the_outputs(tmp_path):
+    from components.models import compile_layers
+
+    path = build_tiny_model(tmp_path / "m", TinyModelSpec(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                                          intermediate_size=128, num_hidden_layers=3))
+    model = load_causal_lm(str(path), device="cpu")
+    input_ids = torch.tensor([[5, 9, 12, 40, 7]])
+    with torch.no_grad():
+        eager = model(input_ids=input_ids).logits
+    # The eager backend runs Dynamo's tracing without a C++ toolchain; inductor is what runs on CUDA.
+    assert compile_layers(model, backend="eager") == 3
+    assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in model.model.layers)
+    with torch.no_grad():
+        compiled = model(input_ids=input_ids).logits
+    torch.testing.assert_close(compiled, eager)
+    assert set(model.state_dict()) == set(load_causal_lm(str(path), device="cpu").state_dict())  # saved as before
+
+
+def test_optimizer_is_fused_only_on_cuda():
+    from components.training import make_optimizer
+    from flows.config import OptimConfig
+
+    optimizer, _ = make_optimizer(torch.nn.Linear(4, 4), OptimConfig())
+    assert not optimizer.defaults.get("fused")
+    if torch.cuda.is_available():
+        optimizer, _ = make_optimizer(torch.nn.Linear(4, 4).cuda(), OptimConfig())
+        assert optimizer.defaults["fused"] is True
