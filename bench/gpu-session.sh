@@ -8,9 +8,11 @@
 #   bash bench/gpu-session.sh 6        phase 6: as phase 3, with trainer.one_step_ahead
 #   bash bench/gpu-session.sh u        bench/update.py on GPU 0: the actor update alone, variants (and the code
 #                                      before this change when .baseline/ holds a copy of it)
-#   bash bench/gpu-session.sh t        the step table in one call: GPU 0: product GRPO, then product PPO | GPU 1: TRL
-#                                      GRPO; then both GPUs: product GRPO with one-step-ahead, then without (2
-#                                      measured steps each, one shared Prefect server; STEPS=3 for more)
+#   bash bench/gpu-session.sh t        the step table: t1, then t2 (about 13 minutes: more than one 10-minute device
+#                                      call; run t1 and t2 as two calls back to back on one lease), with one shared
+#                                      Prefect server and 2 measured steps per run (STEPS=3 for more)
+#                                      t1: GPU 0: product GRPO, then product PPO | GPU 1: TRL GRPO
+#                                      t2: both GPUs: product GRPO with one-step-ahead, then without
 #   bash bench/gpu-session.sh k        kernel: the fused log-prob kernel's CUDA test and bench/logprobs.py on GPU 0
 #   bash bench/gpu-session.sh a b      phase a: bench/rollout.py on GPU 0  |  TRL GRPO on GPU 1
 #                                      phase b: product GRPO on GPU 0      |  product PPO on GPU 1
@@ -32,6 +34,7 @@ shared_prefect_server() {  # one Prefect server for every run of the session (sa
   local port=4299
   PREFECT_HOME=/tmp/rlhf-bench-prefect PREFECT_LOGGING_LEVEL=WARNING "$PY" -m prefect server start --host 127.0.0.1 \
     --port $port > "$OUT/prefect-server.log" 2>&1 &
+  disown $!  # a later bare `wait` of a phase must not wait for the server
   export PREFECT_API_URL=http://127.0.0.1:$port/api
   "$PY" -c "from flows.launcher import wait_until_healthy; wait_until_healthy('${PREFECT_API_URL%/}', None)"
   echo "== $(date +%T) shared Prefect server at $PREFECT_API_URL"
@@ -76,14 +79,18 @@ for phase in "$@"; do
        update micro32 --micro-batch 32
        update compile-micro32 --micro-batch 32 --set model.compile=true
        update unfused --set model.fused_logprobs=false ;;
-    t) shared_prefect_server
+    t|t1|t2) shared_prefect_server
        steps=${STEPS:-2}
-       { run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps"
-         run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps"; } &
-       run trl-grpo-1gpu 1 bench/trl_grpo.py --steps "$steps" &
-       wait
-       run grpo-2gpu-ahead 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps"
-       run grpo-2gpu 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps" ;;
+       if [ "$phase" != t2 ]; then
+         { run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps"
+           run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps"; } & first=$!
+         run trl-grpo-1gpu 1 bench/trl_grpo.py --steps "$steps" & second=$!
+         wait $first $second  # not a bare wait: the shared server is a child too
+       fi
+       if [ "$phase" != t1 ]; then
+         run grpo-2gpu-ahead 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps"
+         run grpo-2gpu 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps"
+       fi ;;
     k) CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -q -p no:cacheprovider tests/components/test_fused.py 2>&1 | tail -3
        CUDA_VISIBLE_DEVICES=0 "$PY" bench/logprobs.py --out "$OUT/logprobs.json" 2>&1 | grep -E "^\||^logits|Error" ;;
     a) run rollout-1gpu 0 bench/rollout.py &
