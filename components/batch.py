@@ -44,6 +44,18 @@ class SequenceBatch:
             prompt_length=self.prompt_length,
         )
 
+    def narrow(self, drop_prompt: int, width: int) -> "SequenceBatch":
+        """The batch without its first `drop_prompt` columns (left padding of every row) and with only the
+        first `width` response columns (the rest right padding of every row): same model outputs on the
+        remaining tokens, less work. Per-token tensors `[B, T]` of the batch narrow to `[:, :width]`."""
+        return SequenceBatch(
+            input_ids=self.input_ids[:, drop_prompt : self.prompt_length + width],
+            attention_mask=self.attention_mask[:, drop_prompt : self.prompt_length + width],
+            position_ids=self.position_ids[:, drop_prompt : self.prompt_length + width],
+            response_mask=self.response_mask[:, :width],
+            prompt_length=self.prompt_length - drop_prompt,
+        )
+
     def to(self, device: torch.device | str) -> "SequenceBatch":
         return SequenceBatch(
             input_ids=self.input_ids.to(device),
@@ -52,6 +64,30 @@ class SequenceBatch:
             response_mask=self.response_mask.to(device),
             prompt_length=self.prompt_length,
         )
+
+
+class PaddingPlan:
+    """Per-row padding of a batch, kept on the host, to cut each micro-batch to its own longest row.
+
+    `bounds(rows)` gives (left-padding columns every row of `rows` has, response columns up to the last
+    real token of any row) without touching the GPU; `lengths` (real tokens per row) lets the update
+    group rows of similar length into the same micro-batches.
+    """
+
+    def __init__(self, batch: SequenceBatch):
+        self.prompt_length = batch.prompt_length
+        prompt_mask = batch.attention_mask[:, : batch.prompt_length].cpu()
+        self.left_padding = (prompt_mask == 0).long().cumprod(dim=1).sum(dim=1)  # [B]
+        response_mask = batch.response_mask.cpu() > 0
+        columns = torch.arange(1, response_mask.shape[1] + 1)
+        self.response_extent = (response_mask * columns).max(dim=1).values if response_mask.numel() else \
+            torch.zeros(batch.size, dtype=torch.long)  # [B]: 1 + index of the last real response token
+        self.lengths = batch.prompt_length - self.left_padding + self.response_extent
+
+    def bounds(self, rows: torch.Tensor | slice) -> tuple[int, int]:
+        # One prompt column stays: the position before the first response token predicts it.
+        drop = min(int(self.left_padding[rows].min()), max(self.prompt_length - 1, 0))
+        return drop, max(1, int(self.response_extent[rows].max()))
 
 
 def build_sequence_batch(

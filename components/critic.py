@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from components.algorithms import value_loss
-from components.batch import SequenceBatch
+from components.batch import PaddingPlan, SequenceBatch
 from components.models import load_pretrained
-from components.training import Updater, device_rows, to_device
+from components.training import Updater, device_rows, micro_rows, to_device
 
 
 def response_values(model, batch: SequenceBatch) -> torch.Tensor:
@@ -54,10 +54,14 @@ class Critic:
     @torch.no_grad()
     def compute_values(self, batch: SequenceBatch) -> torch.Tensor:
         self.model.eval()
+        plan = PaddingPlan(batch)
         parts = []
         for start in range(0, batch.size, self.config.micro_batch_size):
-            micro = batch.select(slice(start, start + self.config.micro_batch_size)).to(self.device)
-            parts.append(response_values(self.model, micro).cpu())
+            rows = slice(start, start + self.config.micro_batch_size)
+            drop, width = plan.bounds(rows)
+            micro = batch.select(rows).narrow(drop, width).to(self.device)
+            values = torch.nn.functional.pad(response_values(self.model, micro), (0, batch.response_length - width))
+            parts.append(values.cpu())
         return torch.cat(parts)
 
     def update(self, batch: SequenceBatch, *, old_values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
@@ -65,14 +69,17 @@ class Critic:
         config = self.config
         device = self.device
         response_mask = batch.response_mask  # on the host: the loop's row weights are read without a sync
+        plan = PaddingPlan(batch)  # each micro-batch is cut to its longest row (bounds read on the host)
         batch = batch.to(device)
         old_values, returns = to_device(device, old_values, returns)
 
         def micro_loss(indices: torch.Tensor):
+            drop, width = plan.bounds(indices)
             indices = device_rows(indices, device)
-            micro = batch.select(indices)
-            return value_loss(values=response_values(self.model, micro), old_values=old_values[indices],
-                              returns=returns[indices], response_mask=micro.response_mask,
+            micro = batch.select(indices).narrow(drop, width)
+            return value_loss(values=response_values(self.model, micro),
+                              old_values=micro_rows(old_values, indices, width),
+                              returns=micro_rows(returns, indices, width), response_mask=micro.response_mask,
                               cliprange_value=config.cliprange_value, loss_agg_mode=config.loss_agg_mode)
 
-        return self.updater.update(response_mask, micro_loss, prefix="critic")
+        return self.updater.update(response_mask, micro_loss, prefix="critic", row_lengths=plan.lengths)

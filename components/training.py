@@ -53,6 +53,7 @@ def run_updates(
     micro_loss: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
     prefix: str,
     row_weights: torch.Tensor | None = None,
+    row_lengths: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Run the update; `micro_loss(indices)` returns (loss, metrics) for those batch rows.
 
@@ -61,7 +62,9 @@ def run_updates(
 
     Each micro-batch loss is scaled by its share of the mini-batch's weight (`row_weights[B]`:
     valid tokens per row for token-mean losses, 1 per row otherwise), so that accumulated gradients
-    equal those of the whole mini-batch. Returns metrics averaged over micro-batches, plus
+    equal those of the whole mini-batch. `row_lengths[B]` (real tokens per row), when given, orders each
+    mini-batch's rows by length before it is split, so that micro-batches hold rows of similar length
+    (the gradient is the same: it is accumulated over the mini-batch). Returns metrics averaged over micro-batches, plus
     `<prefix>/grad_norm`, `<prefix>/lr` (the rate the last step used) and `<prefix>/skipped_steps`.
     """
     row_weights = torch.ones(batch_size) if row_weights is None else row_weights.float()
@@ -74,13 +77,15 @@ def run_updates(
     on_cuda = next(model.parameters()).is_cuda
     for _ in range(epochs):
         order = torch.randperm(batch_size, generator=generator)
-        if on_cuda:
-            order = order.pin_memory()  # its slices go to the device without a sync (device_rows)
         for mini in order.split(mini_batch_size):
             optimizer.zero_grad(set_to_none=True)
             # Sharded (FSDP) ranks each take their share of the mini-batch; every rank makes the same
             # number of forward/backward calls (they are collectives), hence the equal-count split.
             local = local_rows(mini)
+            if row_lengths is not None:  # similar lengths share a micro-batch: less padding to compute
+                local = local[torch.argsort(row_lengths[local], descending=True, stable=True)]
+            if on_cuda:
+                local = local.pin_memory()  # its slices go to the device without a sync (device_rows)
             chunks = max(1, math.ceil(len(mini) / world_size() / micro_batch_size))
             mini_weight = float(row_weights[local].sum().clamp(min=1e-8))
             for micro in local.tensor_split(chunks):
@@ -112,6 +117,11 @@ def to_device(device: torch.device, *tensors: torch.Tensor | None) -> list[torch
     return [None if tensor is None else tensor.to(device) for tensor in tensors]
 
 
+def micro_rows(tensor: torch.Tensor | None, rows: torch.Tensor, width: int) -> torch.Tensor | None:
+    """A per-token tensor `[B, T]` cut to a micro-batch: its rows, and its first `width` columns."""
+    return None if tensor is None else tensor[rows, :width]
+
+
 def device_rows(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A micro-batch's row indices on the device (run_updates pins them, so the copy does not wait)."""
     return indices.to(device, non_blocking=indices.is_pinned())
@@ -137,7 +147,8 @@ class Updater:
         self.optimizer = None
         self.scheduler = None
 
-    def update(self, response_mask: torch.Tensor, micro_loss, prefix: str) -> dict[str, float]:
+    def update(self, response_mask: torch.Tensor, micro_loss, prefix: str,
+               row_lengths: torch.Tensor | None = None) -> dict[str, float]:
         config = self.config
         if self.optimizer is None:
             self.optimizer, self.scheduler = make_optimizer(self.model, config.optim)
@@ -146,6 +157,7 @@ class Updater:
             mini_batch_size=config.ppo_mini_batch_size, micro_batch_size=config.micro_batch_size,
             epochs=config.ppo_epochs, grad_clip=config.optim.grad_clip, seed=self.seed + self.updates,
             micro_loss=micro_loss, prefix=prefix, row_weights=loss_row_weights(response_mask, config.loss_agg_mode),
+            row_lengths=row_lengths,
         )
         self.updates += 1
         return metrics

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from components.batch import SequenceBatch, build_sequence_batch, response_logits
+from components.batch import PaddingPlan, SequenceBatch, build_sequence_batch, model_logits, response_logits
 from components.models import load_causal_lm, load_tokenizer
 from components.tiny import TinyModelSpec, build_tiny_model
 
@@ -127,3 +127,36 @@ def test_response_logits_temperature_scales(tiny):
         plain = response_logits(model, batch)
         hot = response_logits(model, batch, temperature=2.0)
     torch.testing.assert_close(hot * 2.0, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_padding_plan_bounds_by_hand(batch):
+    # prompts [1, 2] and [_, 3]; responses [4, _, _] and [5, 6, 7]
+    plan = PaddingPlan(batch)
+    assert plan.left_padding.tolist() == [0, 1]
+    assert plan.response_extent.tolist() == [1, 3]
+    assert plan.lengths.tolist() == [3, 4]
+    assert plan.bounds(torch.tensor([0, 1])) == (0, 3)
+    assert plan.bounds(torch.tensor([1])) == (1, 3)
+    assert plan.bounds(slice(0, 1)) == (0, 1)
+    narrowed = batch.select(torch.tensor([1])).narrow(1, 3)
+    assert narrowed.input_ids.tolist() == [[3, 5, 6, 7]] and narrowed.prompt_length == 1
+    assert narrowed.position_ids.tolist() == [[0, 1, 2, 3]]
+    assert narrowed.response_ids.tolist() == [[5, 6, 7]]
+
+
+def test_padding_plan_keeps_one_prompt_column_and_one_response_column():
+    batch = build_sequence_batch([[0], [0]], [[], []], pad_token_id=0)  # empty responses
+    batch.attention_mask[:, 0] = 0  # and no prompt token either
+    assert PaddingPlan(batch).bounds(slice(0, 2)) == (0, 1)
+
+
+def test_narrowed_micro_batch_gives_the_same_logits_on_its_tokens(tiny):
+    model, _ = tiny
+    batch = build_sequence_batch([[5, 6, 7], [8]], [[9, 10], [11]], pad_token_id=0)
+    with torch.no_grad():
+        full = model_logits(model, batch)  # [2, 3, V]: predicts response tokens 0, 1 and past the end
+        row = batch.select(torch.tensor([1]))
+        drop, width = PaddingPlan(row).bounds(slice(0, 1))
+        assert (drop, width) == (2, 1)
+        narrowed = model_logits(model, row.narrow(drop, width))  # [1, 2, V]
+    torch.testing.assert_close(narrowed[0, :1], full[1, :1], atol=1e-5, rtol=1e-5)

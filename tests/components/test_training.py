@@ -163,3 +163,18 @@ def test_all_mini_batches_skipped_leaves_weights():
     assert metrics["t/skipped_steps"] == 4.0
     assert "t/grad_norm" not in metrics
     assert model.weight.detach()[0].tolist() == W0
+
+
+def test_row_lengths_group_similar_rows_into_micro_batches_without_changing_the_step():
+    calls = []
+    model = _linear()
+    optimizer, _ = make_optimizer(model, OptimConfig(lr=0.1))
+    run_updates(model=model, optimizer=optimizer, scheduler=_constant_scheduler(optimizer), batch_size=4,
+                mini_batch_size=4, micro_batch_size=2, epochs=1, grad_clip=1e6, seed=0,
+                micro_loss=_loss_fn(model, calls), prefix="t", row_lengths=torch.tensor([5, 100, 7, 90]))
+    assert calls == [[1, 3], [2, 0]]  # longest first, whatever the shuffle
+    grouped = model.weight.detach().clone()
+    model = _linear()
+    optimizer, _ = make_optimizer(model, OptimConfig(lr=0.1))
+    _run(model, optimizer, _constant_scheduler(optimizer), micro=2)
+    torch.testing.assert_close(grouped, model.weight.detach())  # same accumulated gradient, same step
