@@ -13,17 +13,26 @@
 #                                      Prefect server and 2 measured steps per run (STEPS=3 for more)
 #                                      t1: GPU 0: product GRPO, then product PPO | GPU 1: TRL GRPO
 #                                      t2: both GPUs: product GRPO with one-step-ahead, then without
+#   bash bench/gpu-session.sh g        bench/rollout.py at the step's shape (256 -> 512 tokens) with 0.85 of GPU 0's
+#                                      memory | with 0.4 of GPU 1's (the one-GPU run's setting), side by side
 #   bash bench/gpu-session.sh k        kernel: the fused log-prob kernel's CUDA test and bench/logprobs.py on GPU 0
 #   bash bench/gpu-session.sh a b      phase a: bench/rollout.py on GPU 0  |  TRL GRPO on GPU 1
 #                                      phase b: product GRPO on GPU 0      |  product PPO on GPU 1
 #   bash bench/gpu-session.sh c        GPU 0: bench/rollout.py, then product PPO
 #                                      GPU 1: product GRPO, then product GRPO with model.fused_logprobs=false
-# Single-GPU runs of one phase share the host (CPUs, PCIe) but not a GPU. Results (JSON + log tails)
+# Single-GPU runs of one phase share the host (CPUs, PCIe) but not a GPU. Results (JSON; logs packed in
+# $OUT/logs.tgz with the role workers' logs; log tails printed)
 # go to $OUT (default bench/results); the last line prints one table of every step result so far.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
-mkdir -p "$OUT"
+LOGS=$OUT/logs  # every log, and the role workers' logs (.rlhf/logs), packed into $OUT/logs.tgz after each run:
+mkdir -p "$OUT" "$LOGS"  # a lent GPU machine sends back at most 8 files
+pack_logs() {
+  mkdir -p "$LOGS/workers" && cp -r .rlhf/logs/. "$LOGS/workers/" 2>/dev/null
+  tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null
+}
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}  # engine start and scheduler lines in the logs
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 MLFLOW_ENABLE_TELEMETRY=false
 PY=${PYTHON:-python3}
 MODEL=${MODEL:-/tmp/rlhf-bench-models/qwen2.5-0.5b}
@@ -33,7 +42,7 @@ shared_prefect_server() {  # one Prefect server for every run of the session (sa
   [ -n "${PREFECT_API_URL:-}" ] && return
   local port=4299
   PREFECT_HOME=/tmp/rlhf-bench-prefect PREFECT_LOGGING_LEVEL=WARNING "$PY" -m prefect server start --host 127.0.0.1 \
-    --port $port > "$OUT/prefect-server.log" 2>&1 &
+    --port $port > "$LOGS/prefect-server.log" 2>&1 &
   disown $!  # a later bare `wait` of a phase must not wait for the server
   export PREFECT_API_URL=http://127.0.0.1:$port/api
   "$PY" -c "from flows.launcher import wait_until_healthy; wait_until_healthy('${PREFECT_API_URL%/}', None)"
@@ -44,10 +53,11 @@ run() {  # run NAME GPUS COMMAND...: log to $OUT/NAME.log, keep the JSON in $OUT
   local name=$1 gpus=$2; shift 2
   echo "== $(date +%T) $name on GPU $gpus: $*"
   CUDA_VISIBLE_DEVICES=$gpus timeout "${RUN_TIMEOUT:-560}" "$PY" "$@" --model-dir "$MODEL" --out "$OUT/$name.json" \
-    > "$OUT/$name.log" 2>&1
+    > "$LOGS/$name.log" 2>&1
   local rc=$?
-  echo "== $(date +%T) $name exit $rc"; grep -E "^\| |^RESULT" "$OUT/$name.log" | cut -c1-400 || tail -25 "$OUT/$name.log"
-  [ $rc -eq 0 ] || tail -40 "$OUT/$name.log"
+  echo "== $(date +%T) $name exit $rc"; grep -E "^\| |^RESULT" "$LOGS/$name.log" | cut -c1-400 || tail -25 "$LOGS/$name.log"
+  [ $rc -eq 0 ] || tail -40 "$LOGS/$name.log"
+  pack_logs
 }
 
 for phase in "$@"; do
@@ -66,13 +76,13 @@ for phase in "$@"; do
          local name=$1; shift
          echo "== update $name: $*"
          CUDA_VISIBLE_DEVICES=0 timeout 300 "$PY" bench/update.py --model-dir "$MODEL" --out "$OUT/update-$name.json" "$@" \
-           > "$OUT/update-$name.log" 2>&1 || tail -30 "$OUT/update-$name.log"
-         grep -E "^\||^profiled|^update [0-9]|compiled" "$OUT/update-$name.log"
+           > "$LOGS/update-$name.log" 2>&1 || tail -30 "$LOGS/update-$name.log"
+         grep -E "^\||^profiled|^update [0-9]|compiled" "$LOGS/update-$name.log"
        }
        if [ -d .baseline ]; then  # the code before the change, run from its own copy
          (cd .baseline && CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$PWD" timeout 300 "$PY" bench/update.py --model-dir "$MODEL" \
-            --label before --profile --out "$OUT/update-before.json" > "$OUT/update-before.log" 2>&1 \
-            || tail -30 "$OUT/update-before.log"; grep -E "^\||^profiled|^update [0-9]" "$OUT/update-before.log")
+            --label before --profile --out "$OUT/update-before.json" > "$LOGS/update-before.log" 2>&1 \
+            || tail -30 "$LOGS/update-before.log"; grep -E "^\||^profiled|^update [0-9]" "$LOGS/update-before.log")
        fi
        update defaults --profile
        update compile --profile --set model.compile=true
@@ -91,6 +101,11 @@ for phase in "$@"; do
          run grpo-2gpu-ahead 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps"
          run grpo-2gpu 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps"
        fi ;;
+    g) # why generation on a rollout-only GPU (0.85 of its memory, no sleep) was slower than on a shared one
+       # (0.4): the same bench/rollout.py at the step's shape, both settings side by side
+       run rollout-mem085 0 bench/rollout.py --prompt-tokens 256 --new-tokens 512 --gpu-memory-utilization 0.85 &
+       run rollout-mem040 1 bench/rollout.py --prompt-tokens 256 --new-tokens 512 --gpu-memory-utilization 0.4 &
+       wait ;;
     k) CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -q -p no:cacheprovider tests/components/test_fused.py 2>&1 | tail -3
        CUDA_VISIBLE_DEVICES=0 "$PY" bench/logprobs.py --out "$OUT/logprobs.json" 2>&1 | grep -E "^\||^logits|Error" ;;
     a) run rollout-1gpu 0 bench/rollout.py &
@@ -106,5 +121,7 @@ for phase in "$@"; do
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
+pack_logs
+rm -rf "$LOGS"
 results=$(ls "$OUT"/*gpu.json "$OUT"/*gpu-ahead.json "$OUT"/*gpu-unfused.json 2>/dev/null)
 [ -n "$results" ] && "$PY" bench/step.py --table $results
