@@ -154,8 +154,12 @@ def _compile_if_asked(config: Config, model) -> None:
     from components.distributed import is_distributed
     from components.models import compile_layers
 
-    if config.model.compile and next(model.parameters()).is_cuda and not is_distributed():
-        print(f"model.compile: {compile_layers(model)} transformer blocks compiled")
+    if not (config.model.compile and next(model.parameters()).is_cuda):
+        return
+    if is_distributed():
+        print("model.compile: not applied to a sharded (FSDP) model; it runs eagerly")
+        return
+    print(f"model.compile: {compile_layers(model)} transformer blocks compiled")
 
 
 def _shard_if_distributed(model) -> None:
