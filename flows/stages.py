@@ -29,7 +29,7 @@ from flows.config import Config
 from flows.resume import prune_weights
 from flows.roles import get_role, initial_policy_path, layout_for
 from components.distributed import full_state_dict, is_writer
-from storage import atomic_directory, padded_tensor, read_stage, unpad
+from storage import atomic_directory, padded_tensor, read_stage, unpad_arrow
 from storage import write_stage as _write_stage
 
 
@@ -68,8 +68,8 @@ def _read(config: Config, step: int, stage: str, rollout=None):
 
 def _rollout_batch(config: Config, rollout) -> SequenceBatch:
     tokenizer = get_role(config, "tokenizer")
-    return build_sequence_batch(rollout.column("prompt_ids").to_pylist(), rollout.column("response_ids").to_pylist(),
-                                tokenizer.pad_token_id)
+    # Arrow columns straight into padded tensors (storage.padded_tensor), no Python lists.
+    return build_sequence_batch(rollout.column("prompt_ids"), rollout.column("response_ids"), tokenizer.pad_token_id)
 
 
 def check_finite(stage: str, step: int, name: str, values: torch.Tensor, uids: list[str]) -> None:
@@ -180,7 +180,7 @@ def _per_token_stage(config: Config, step: int, stage: str, column: str, timing:
     with timed(metrics, timing):
         values = compute(batch)
         path = write_stage(layout_for(config), step, stage, {"uid": rollout_table.column("uid").to_pylist(),
-                                                              column: unpad(values, batch.response_mask)})
+                                                              column: unpad_arrow(values, batch.response_mask)})
     return {"path": path, "metrics": metrics, "values": values, "batch": batch, "rollout": rollout_table}
 
 
@@ -247,8 +247,8 @@ def advantages(config: Config, step: int, kl_coef: float) -> StageResult:
                                        gamma=config.algorithm.gamma, lam=config.algorithm.lam)
         check_finite("advantages", step, "the advantage", advantage, uids)
         path = write_stage(layout_for(config), step, "advantages", {
-            "uid": uids, "token_rewards": unpad(token_rewards, mask),
-            "advantages": unpad(advantage, mask), "returns": unpad(returns, mask)})
+            "uid": uids, "token_rewards": unpad_arrow(token_rewards, mask),
+            "advantages": unpad_arrow(advantage, mask), "returns": unpad_arrow(returns, mask)})
     metrics.update(_stats("critic/rewards", token_rewards.sum(-1)))
     metrics.update(_stats("critic/advantages", advantage, mask))
     metrics.update(_stats("critic/returns", returns, mask))

@@ -8,6 +8,7 @@ from storage.io import (
     read_json,
     read_stage,
     unpad,
+    unpad_arrow,
     validate_stage_file,
     write_json_atomic,
     write_stage,
@@ -33,6 +34,6 @@ __all__ = [
     "Column", "LayoutError", "PromptColumn", "PromptSchemaError", "RunLayout",
     "StageFileError", "StageSchema", "StorageFileError",
     "atomic_directory", "describe_schema", "get_stage", "padded_tensor", "read_json",
-    "read_stage", "unpad", "validate_prompts_table", "validate_stage_file",
+    "read_stage", "unpad", "unpad_arrow", "validate_prompts_table", "validate_stage_file",
     "write_json_atomic", "write_stage", "write_table_atomic",
 ]

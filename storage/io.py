@@ -266,6 +266,19 @@ def unpad(tensor: torch.Tensor, mask: torch.Tensor) -> list[list]:
     return [chunk.tolist() for chunk in torch.split(values, lengths)]
 
 
+def unpad_arrow(tensor: torch.Tensor, mask: torch.Tensor) -> pa.ListArray:
+    """`unpad` straight into an Arrow list array (float32 values; no Python lists): for stage files."""
+    if tensor.shape != mask.shape or tensor.dim() != 2:
+        raise ValueError(
+            f"unpad_arrow: tensor {tuple(tensor.shape)} and mask {tuple(mask.shape)} "
+            "must be equal [B, L] shapes"
+        )
+    keep = mask.detach().cpu() != 0
+    values = tensor.detach().cpu().float()[keep].numpy()
+    offsets = np.concatenate([[0], np.cumsum(keep.sum(dim=1).numpy())]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.float32()))
+
+
 # ---------------------------------------------------------------------------
 # Directories (model weights, checkpoints)
 # ---------------------------------------------------------------------------

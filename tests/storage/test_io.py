@@ -192,6 +192,20 @@ def test_unpad_inverts_padding_and_feeds_write_stage(layout):
     assert read_stage(layout, 0, "values").column("values").to_pylist() == rows
 
 
+def test_unpad_arrow_gives_the_same_rows_as_an_arrow_array_and_feeds_write_stage(layout):
+    rows = [[0.25, -1.0, 3.0], [], [7.5]]
+    for side in ("right", "left"):
+        values, mask = padded_tensor(rows, 0.0, torch.float32, side=side)
+        array = storage_io.unpad_arrow(values, mask)
+        assert array.type == pa.list_(pa.float32()) and array.to_pylist() == rows
+        again, again_mask = padded_tensor(array, 0.0, torch.float32, side=side)  # the round trip
+        assert torch.equal(again, values) and torch.equal(again_mask, mask)
+    write_stage(layout, 0, "values", {"uid": ["a", "b", "c"], "values": storage_io.unpad_arrow(values, mask)})
+    assert read_stage(layout, 0, "values").column("values").to_pylist() == rows
+    with pytest.raises(ValueError, match="equal"):
+        storage_io.unpad_arrow(values, mask[:, :1])
+
+
 def test_json_helpers(layout):
     path = f"{layout.run_dir}/state.json"
     write_json_atomic(layout.fs, path, {"step": 3, "done": ["rollout"]})
