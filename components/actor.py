@@ -14,7 +14,7 @@ import torch
 
 from components.algorithms import aggregate_loss, get_policy_loss, kl_loss, logprob_gap
 from components.algorithms.fused import logprobs_and_entropy
-from components.batch import PaddingPlan, SequenceBatch, model_logits
+from components.batch import PaddingPlan, SequenceBatch, micro_batches, model_logits, pad_responses
 from components.models import load_causal_lm, load_tokenizer
 from components.training import Updater, device_rows, micro_rows, to_device
 
@@ -47,18 +47,14 @@ def sequence_logprobs(
     """
     model.eval()
     device = next(model.parameters()).device
-    plan = PaddingPlan(batch)
     logprob_parts, entropy_parts = [], []
-    for start in range(0, batch.size, micro_batch_size):
-        rows = slice(start, start + micro_batch_size)
-        drop, width = plan.bounds(rows)
-        micro = batch.select(rows).narrow(drop, width).to(device)
+    for micro in micro_batches(batch, micro_batch_size):
+        micro = micro.to(device)
         logprobs, entropy = logprobs_and_entropy(model_logits(model, micro), micro.response_ids, temperature,
                                                  fused=fused, with_entropy=with_entropy)
-        padding = (0, batch.response_length - width)  # back to the batch's T columns, 0 past each response
-        logprob_parts.append(torch.nn.functional.pad(logprobs * micro.response_mask, padding).cpu())
+        logprob_parts.append(pad_responses(logprobs * micro.response_mask, batch.response_length).cpu())
         if with_entropy:
-            entropy_parts.append(torch.nn.functional.pad(entropy * micro.response_mask, padding).cpu())
+            entropy_parts.append(pad_responses(entropy * micro.response_mask, batch.response_length).cpu())
     entropy = torch.cat(entropy_parts) if with_entropy else None
     return torch.cat(logprob_parts), entropy
 
@@ -119,19 +115,18 @@ class Actor:
             device, old_logprobs, advantages, ref_logprobs, rollout_logprobs)
 
         def micro_loss(indices: torch.Tensor):
-            drop, width = plan.bounds(indices)
-            indices = device_rows(indices, device)
-            micro = batch.select(indices).narrow(drop, width)
+            rows = device_rows(indices, device)
+            micro, width = plan.cut(batch, indices, rows)
             # The entropy is a metric without an autograd graph unless entropy_coeff puts it in the loss.
             logprobs, token_entropy = logprobs_and_entropy(
                 model_logits(self.model, micro), micro.response_ids, self.temperature,
                 entropy_grad=bool(config.entropy_coeff), fused=self.fused)
             if rollout_logprobs is not None:
-                _accumulate_gap(gap, logprobs.detach(), micro_rows(rollout_logprobs, indices, width), micro.response_mask)
+                _accumulate_gap(gap, logprobs.detach(), micro_rows(rollout_logprobs, rows, width), micro.response_mask)
             loss, metrics = policy_loss(
                 logprobs=logprobs,
-                old_logprobs=logprobs.detach() if old_logprobs is None else micro_rows(old_logprobs, indices, width),
-                advantages=micro_rows(advantages, indices, width), response_mask=micro.response_mask,
+                old_logprobs=logprobs.detach() if old_logprobs is None else micro_rows(old_logprobs, rows, width),
+                advantages=micro_rows(advantages, rows, width), response_mask=micro.response_mask,
                 clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
                 clip_ratio_c=config.clip_ratio_c, loss_agg_mode=config.loss_agg_mode,
             )
@@ -141,7 +136,7 @@ class Actor:
                 loss = loss - config.entropy_coeff * entropy
             if config.use_kl_loss:
                 kl_term, kl_metrics = kl_loss(
-                    logprobs=logprobs, ref_logprobs=micro_rows(ref_logprobs, indices, width),
+                    logprobs=logprobs, ref_logprobs=micro_rows(ref_logprobs, rows, width),
                     response_mask=micro.response_mask, estimator=config.kl_loss_type,
                     loss_agg_mode=config.loss_agg_mode,
                 )

@@ -8,7 +8,7 @@ of every per-token tensor the same `[:, P:]` for every role.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -88,6 +88,26 @@ class PaddingPlan:
         # One prompt column stays: the position before the first response token predicts it.
         drop = min(int(self.left_padding[rows].min()), max(self.prompt_length - 1, 0))
         return drop, max(1, int(self.response_extent[rows].max()))
+
+    def cut(self, batch: SequenceBatch, rows: torch.Tensor | slice,
+            device_rows: torch.Tensor | None = None) -> tuple[SequenceBatch, int]:
+        """Those rows of `batch` cut to their longest row, and the response columns kept (`width`).
+
+        `rows` (host) give the bounds; `device_rows`, the same rows on `batch`'s device, select them."""
+        drop, width = self.bounds(rows)
+        return batch.select(rows if device_rows is None else device_rows).narrow(drop, width), width
+
+
+def micro_batches(batch: SequenceBatch, micro_batch_size: int) -> Iterator[SequenceBatch]:
+    """Consecutive micro-batches of `batch`, each cut to its longest row (the no-grad passes)."""
+    plan = PaddingPlan(batch)
+    for start in range(0, batch.size, micro_batch_size):
+        yield plan.cut(batch, slice(start, start + micro_batch_size))[0]
+
+
+def pad_responses(values: torch.Tensor, length: int) -> torch.Tensor:
+    """Per-token values `[B, width]` of a cut micro-batch back to the batch's `length` columns (0 after)."""
+    return torch.nn.functional.pad(values, (0, length - values.shape[1]))
 
 
 def build_sequence_batch(

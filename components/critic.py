@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from components.algorithms import value_loss
-from components.batch import PaddingPlan, SequenceBatch
+from components.batch import PaddingPlan, SequenceBatch, micro_batches, pad_responses
 from components.models import load_pretrained
 from components.training import Updater, device_rows, micro_rows, to_device
 
@@ -54,15 +54,8 @@ class Critic:
     @torch.no_grad()
     def compute_values(self, batch: SequenceBatch) -> torch.Tensor:
         self.model.eval()
-        plan = PaddingPlan(batch)
-        parts = []
-        for start in range(0, batch.size, self.config.micro_batch_size):
-            rows = slice(start, start + self.config.micro_batch_size)
-            drop, width = plan.bounds(rows)
-            micro = batch.select(rows).narrow(drop, width).to(self.device)
-            values = torch.nn.functional.pad(response_values(self.model, micro), (0, batch.response_length - width))
-            parts.append(values.cpu())
-        return torch.cat(parts)
+        return torch.cat([pad_responses(response_values(self.model, micro.to(self.device)), batch.response_length).cpu()
+                          for micro in micro_batches(batch, self.config.micro_batch_size)])
 
     def update(self, batch: SequenceBatch, *, old_values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
         """Clipped value regression on the returns (inputs `[B, T]`); returns `critic/*` metrics."""
@@ -74,12 +67,11 @@ class Critic:
         old_values, returns = to_device(device, old_values, returns)
 
         def micro_loss(indices: torch.Tensor):
-            drop, width = plan.bounds(indices)
-            indices = device_rows(indices, device)
-            micro = batch.select(indices).narrow(drop, width)
+            rows = device_rows(indices, device)
+            micro, width = plan.cut(batch, indices, rows)
             return value_loss(values=response_values(self.model, micro),
-                              old_values=micro_rows(old_values, indices, width),
-                              returns=micro_rows(returns, indices, width), response_mask=micro.response_mask,
+                              old_values=micro_rows(old_values, rows, width),
+                              returns=micro_rows(returns, rows, width), response_mask=micro.response_mask,
                               cliprange_value=config.cliprange_value, loss_agg_mode=config.loss_agg_mode)
 
         return self.updater.update(response_mask, micro_loss, prefix="critic", row_lengths=plan.lengths)

@@ -253,30 +253,28 @@ def padded_tensor(rows, pad_value, dtype: torch.dtype, side: str = "right",
     return output, mask
 
 
-def unpad(tensor: torch.Tensor, mask: torch.Tensor) -> list[list]:
-    """Inverse of padded_tensor: per row, the values where mask is set, in order."""
+def _kept(tensor: torch.Tensor, mask: torch.Tensor, caller: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the values where mask is set, row by row, on the host; how many per row)."""
     if tensor.shape != mask.shape or tensor.dim() != 2:
         raise ValueError(
-            f"unpad: tensor {tuple(tensor.shape)} and mask {tuple(mask.shape)} "
+            f"{caller}: tensor {tuple(tensor.shape)} and mask {tuple(mask.shape)} "
             "must be equal [B, L] shapes"
         )
     keep = mask.detach().cpu() != 0
-    values = tensor.detach().cpu()[keep]
-    lengths = keep.sum(dim=1).tolist()
-    return [chunk.tolist() for chunk in torch.split(values, lengths)]
+    return tensor.detach().cpu()[keep], keep.sum(dim=1)
+
+
+def unpad(tensor: torch.Tensor, mask: torch.Tensor) -> list[list]:
+    """Inverse of padded_tensor: per row, the values where mask is set, in order."""
+    values, lengths = _kept(tensor, mask, "unpad")
+    return [chunk.tolist() for chunk in torch.split(values, lengths.tolist())]
 
 
 def unpad_arrow(tensor: torch.Tensor, mask: torch.Tensor) -> pa.ListArray:
     """`unpad` straight into an Arrow list array (float32 values; no Python lists): for stage files."""
-    if tensor.shape != mask.shape or tensor.dim() != 2:
-        raise ValueError(
-            f"unpad_arrow: tensor {tuple(tensor.shape)} and mask {tuple(mask.shape)} "
-            "must be equal [B, L] shapes"
-        )
-    keep = mask.detach().cpu() != 0
-    values = tensor.detach().cpu().float()[keep].numpy()
-    offsets = np.concatenate([[0], np.cumsum(keep.sum(dim=1).numpy())]).astype(np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.float32()))
+    values, lengths = _kept(tensor, mask, "unpad_arrow")
+    offsets = np.concatenate([[0], np.cumsum(lengths.numpy())]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values.float().numpy(), pa.float32()))
 
 
 # ---------------------------------------------------------------------------
