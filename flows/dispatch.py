@@ -2,9 +2,9 @@
 
 A stage submitted with `task.delay(...)` is picked up by a live task worker serving it. The driver
 polls the task run's state and the workers' heartbeat files (flows.worker): a run held by a worker
-whose heartbeat went stale (killed, machine lost) is marked Crashed and submitted again. Stages write
-their output atomically and are a pure function of (config, step), so a second attempt cannot
-duplicate or lose samples.
+whose heartbeat went stale (killed, machine lost), or handed to a worker that died before it said so,
+is marked Crashed and submitted again (RunTracker). Stages write their output atomically and are a
+pure function of (config, step), so a second attempt cannot duplicate or lose samples.
 """
 
 from __future__ import annotations
@@ -22,6 +22,44 @@ class WorkerLostError(RuntimeError):
     pass
 
 
+class RunTracker:
+    """Decides from the workers' heartbeats whether one submitted task run was lost.
+
+    The server's state of a task run cannot decide it alone: Prefect sends task run states as events,
+    so a worker killed right after it took a run may never have reported it Running, and the server
+    hands a run to one worker only (a replacement worker never sees it). A run is lost when no live
+    worker holds it or is done with it, and either a worker did hold it (or the server says it ran)
+    and `timeout_s` passed since, or it never started and a worker of its role sat idle for twice
+    `timeout_s` (so it is not just queued behind a busy worker, nor in transit to an idle one).
+    """
+
+    def __init__(self, task_run_id: str, role: str, timeout_s: float, now: float | None = None):
+        self.task_run_id, self.role, self.timeout_s = task_run_id, role, timeout_s
+        self.submitted = time.time() if now is None else now
+        self.attended: float | None = None  # last time a live worker held the run or was done with it
+        self.started = False  # some worker held it once, or the server saw it running
+
+    def observe(self, beats: list[dict], running: bool, now: float | None = None) -> str:
+        """"attended", "waiting", "no workers" (no live worker of the role) or "lost"."""
+        now = time.time() if now is None else now
+        live = [beat for beat in beats
+                if beat.get("role") == self.role and now - beat.get("beat", 0) < self.timeout_s]
+        if any(self.task_run_id in beat.get("running", []) or self.task_run_id in beat.get("done", [])
+               for beat in live):
+            self.attended, self.started = now, True
+            return "attended"
+        self.started = self.started or running
+        quiet_since = max(self.submitted, self.attended or self.submitted)
+        if self.started:
+            return "lost" if now - quiet_since > self.timeout_s else "waiting"
+        if not live:
+            return "no workers"
+        idle = [beat for beat in live if not beat.get("running") and beat.get("idle_since") is not None]
+        if any(now - max(beat["idle_since"], quiet_since) > 2 * self.timeout_s for beat in idle):
+            return "lost"  # handed to a worker that died before it said so, while another one waits idle
+        return "waiting"
+
+
 class RemoteStage:
     """One stage dispatched to its role's workers; `result()` waits, resubmitting when a worker dies."""
 
@@ -36,7 +74,7 @@ class RemoteStage:
     def _submit(self) -> None:
         self.future = self.task.delay(*self.args)
         self.submitted_at = time.monotonic()
-        self.running_since: float | None = None
+        self.tracker = RunTracker(str(self.future.task_run_id), self.role, self.worker_timeout_s)
 
     def result(self) -> Any:
         from prefect.client.orchestration import get_client
@@ -53,23 +91,15 @@ class RemoteStage:
                                        f"{self.stage_timeout_s:.0f} s")
                 time.sleep(POLL_INTERVAL_S)
 
-    def _live_workers(self) -> list[dict]:
-        now = time.time()
-        return [beat for beat in read_heartbeats(heartbeat_dir())
-                if beat.get("role") == self.role and now - beat.get("beat", 0) < self.worker_timeout_s]
-
     def _lost(self, state) -> bool:
         """True when the task run's worker is gone; raises when no worker of the role shows up."""
-        now = time.monotonic()
-        if state is None or not state.is_running():
-            if now - self.submitted_at > self.worker_wait_s and not self._live_workers():
-                raise WorkerLostError(
-                    f"no live worker for role {self.role!r} after {self.worker_wait_s:.0f} s "
-                    f"(trainer.worker_wait_s); start one: rlhf worker --role {self.role} --devices ...")
-            return False
-        self.running_since = self.running_since or now
-        holder = [beat for beat in self._live_workers() if str(self.future.task_run_id) in beat.get("running", [])]
-        return not holder and now - self.running_since > self.worker_timeout_s
+        verdict = self.tracker.observe(list(read_heartbeats(heartbeat_dir())),
+                                       running=state is not None and state.is_running())
+        if verdict == "no workers" and time.monotonic() - self.submitted_at > self.worker_wait_s:
+            raise WorkerLostError(
+                f"no live worker for role {self.role!r} after {self.worker_wait_s:.0f} s "
+                f"(trainer.worker_wait_s); start one: rlhf worker --role {self.role} --devices ...")
+        return verdict == "lost"
 
     def _resubmit(self, client) -> None:
         from prefect.states import Crashed

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import time
 
 from prefect import flow, get_run_logger, task
@@ -33,10 +34,25 @@ from flows.system_metrics import stop_system_metrics
 
 
 def _inject_failure(stage: str, step) -> None:
-    """Fault injection for tests and recovery drills: RLHF_INJECT_FAILURE=stage:step fails that stage."""
+    """Fault injection for tests and recovery drills: RLHF_INJECT_FAILURE=stage:step fails that stage;
+    stage:step:kill kills the worker process that takes it, once (a marker in the heartbeat folder
+    remembers), as a lost machine would: no exception, no final state."""
     target = os.environ.get("RLHF_INJECT_FAILURE", "")
-    if target and target == f"{stage}:{step}":
+    if not target:
+        return
+    if target == f"{stage}:{step}":
         raise RuntimeError(f"injected failure in stage {stage} at step {step} (RLHF_INJECT_FAILURE={target})")
+    if target == f"{stage}:{step}:kill":
+        import fsspec
+
+        from flows.worker import heartbeat_dir
+
+        fs, root = fsspec.core.url_to_fs(heartbeat_dir())
+        marker = f"{root.rstrip('/')}/injected-kill-{stage}-{step}"
+        if not fs.exists(marker):
+            fs.makedirs(root, exist_ok=True)
+            fs.touch(marker)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _stage_task(function, name: str):
@@ -46,21 +62,24 @@ def _stage_task(function, name: str):
     def run_stage(*args, **kwargs):
         from flows import worker
 
-        _inject_failure(name, kwargs.get("step", args[1] if len(args) > 1 else None))
+        step = kwargs.get("step", args[1] if len(args) > 1 else None)
         if worker.CURRENT is None:
+            _inject_failure(name, step)
             return function(*args, **kwargs)
         from prefect.runtime import task_run
 
-        from components.distributed import broadcast_call, is_distributed
-
-        if is_distributed():  # a sharded role: the other ranks run the same call in lockstep
-            broadcast_call((name, args, kwargs))
-        from flows.system_metrics import start_system_metrics
-
-        # Here, not at worker start: the MLflow run exists only once the driver has started the flow.
-        start_system_metrics(args[0] if args else kwargs["config"], worker.CURRENT.state["role"])
-        step = kwargs.get("step", args[1] if len(args) > 1 else None)
+        # First thing: the heartbeat says this worker holds the run, so the driver can tell a run
+        # whose worker died (resubmit it) from one still waiting for a worker (flows.dispatch).
         with worker.CURRENT.running(str(task_run.id), name, step):
+            _inject_failure(name, step)
+            from components.distributed import broadcast_call, is_distributed
+
+            if is_distributed():  # a sharded role: the other ranks run the same call in lockstep
+                broadcast_call((name, args, kwargs))
+            from flows.system_metrics import start_system_metrics
+
+            # Here, not at worker start: the MLflow run exists only once the driver has started the flow.
+            start_system_metrics(args[0] if args else kwargs["config"], worker.CURRENT.state["role"])
             return function(*args, **kwargs)
 
     # No tags: a tagged task asks the server for tag concurrency slots on every run, which cost

@@ -5,8 +5,8 @@
 
 CUDA_VISIBLE_DEVICES is set before anything imports torch, so the worker sees only its GPUs. Models
 load on first use and stay resident (flows.roles) across steps. The worker writes a heartbeat file
-(`<heartbeat dir>/<role>-<host>-<pid>.json`) every second: which task runs it holds, which stages it
-finished and how many times it loaded each model. The driver reads these files to tell a slow stage
+(`<heartbeat dir>/<role>-<host>-<pid>.json`) every second: which task runs it holds, which it is done
+with, since when it has been idle, which stages it finished and how many times it loaded each model. The driver reads these files to tell a slow stage
 from a dead worker; the directory may be on shared storage (any fsspec URI) for workers on other hosts.
 """
 
@@ -22,6 +22,8 @@ from typing import Iterator
 
 DEFAULT_HEARTBEAT_DIR = ".rlhf/workers"
 HEARTBEAT_INTERVAL_S = 1.0
+DONE_KEPT = 64
+"""How many of its most recent task run ids a heartbeat lists as done."""
 
 ROLE_STAGES: dict[str, tuple[str, ...]] = {
     "rollout": ("rollout", "validate"),
@@ -49,7 +51,8 @@ class Heartbeat:
         self.fs.makedirs(root, exist_ok=True)
         self.path = f"{root.rstrip('/')}/{role}-{socket.gethostname()}-{os.getpid()}.json"
         self.state = {"role": role, "host": socket.gethostname(), "pid": os.getpid(), "devices": devices,
-                      "started": time.time(), "running": [], "finished": [], "load_counts": {}}
+                      "started": time.time(), "running": [], "finished": [], "done": [],
+                      "idle_since": time.time(), "load_counts": {}}
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()  # the beat thread and the stage thread both write
         self._stop = threading.Event()
@@ -104,13 +107,20 @@ class _Running:
     def __enter__(self):
         with self.heartbeat._lock:
             self.heartbeat.state["running"].append(self.task_run_id)
+            self.heartbeat.state["idle_since"] = None
         self.heartbeat.write()
 
     def __exit__(self, *exc):
         with self.heartbeat._lock:
-            self.heartbeat.state["running"].remove(self.task_run_id)
+            state = self.heartbeat.state
+            state["running"].remove(self.task_run_id)
+            # Its final state reaches the server a moment later (Prefect sends task run states as
+            # events): the driver waits for it rather than taking the run for lost.
+            state["done"] = [*state["done"], self.task_run_id][-DONE_KEPT:]
+            if not state["running"]:
+                state["idle_since"] = time.time()
             if exc[0] is None:
-                self.heartbeat.state["finished"].append([self.stage, self.step])
+                state["finished"].append([self.stage, self.step])
         self.heartbeat.write()
 
 

@@ -91,6 +91,46 @@ def test_a_worker_killed_mid_stage_is_replaced_and_no_sample_is_lost(prefect_api
         assert scores.num_rows == PROMPTS * SAMPLES
 
 
+def test_a_worker_killed_as_it_takes_a_stage_is_replaced_and_the_stage_runs_again(prefect_api, tmp_path,
+                                                                                 tiny_inputs, monkeypatch, _config):
+    """Killed first thing in the stage, the worker may never have told the server the run started (the
+    server's state stays Scheduled and no other worker is handed the run): the heartbeat still tells."""
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "reward:1:kill")
+    config = _config(tmp_path, tiny_inputs, "killed-at-start")
+    state, beats, pool = _train_with_workers(config, prefect_api)
+    assert state.is_completed(), state
+    assert pool.restarts["reward"] == 1
+    assert Path(os.environ["RLHF_WORKER_DIR"], "injected-kill-reward-1").exists()
+    killed = next(beat for beat in beats if beat["role"] == "reward" and beat["pid"] != pool.processes["reward"].pid)
+    replacement = next(beat for beat in beats if beat["pid"] == pool.processes["reward"].pid)
+    assert killed["running"] and [stage for stage, _ in killed["finished"]] == ["reward"]  # step 0, then died in 1
+    assert [step for stage, step in replacement["finished"] if stage == "reward"] == [1]
+    layout = RunLayout(config.run.storage_root, "killed-at-start")
+    uids = read_stage(layout, 1, "rollout").column("uid").to_pylist()
+    assert read_stage(layout, 1, "reward", expected_rows=len(uids), expected_uids=uids).num_rows == PROMPTS * SAMPLES
+
+
+def test_a_worker_that_dies_as_it_is_handed_a_run_is_replaced_and_the_run_submitted_again(
+        prefect_api, tmp_path, tiny_inputs, monkeypatch, _config):
+    """The CI hang of 2026-11-30: a worker died after taking a run but before it reported anything, so
+    the server never saw the run start and never hands it to another worker. The replacement sitting
+    idle while the run waits tells the driver to submit it again."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent / "die_on_receive"),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("RLHF_TEST_DIE_ON_RECEIVE", "reward")
+    config = _config(tmp_path, tiny_inputs, "died-on-receive")
+    state, beats, pool = _train_with_workers(config, prefect_api)
+    assert state.is_completed(), state
+    assert Path(os.environ["RLHF_WORKER_DIR"], "died-on-receive-reward").exists()
+    assert pool.restarts["reward"] == 1
+    replacement = next(beat for beat in beats if beat["pid"] == pool.processes["reward"].pid)
+    assert sorted(step for stage, step in replacement["finished"] if stage == "reward") == [0, 1]
+    layout = RunLayout(config.run.storage_root, "died-on-receive")
+    for step in range(2):
+        uids = read_stage(layout, step, "rollout").column("uid").to_pylist()
+        assert read_stage(layout, step, "reward", expected_rows=len(uids), expected_uids=uids).num_rows == len(uids)
+
+
 def test_one_step_ahead_rollout_uses_the_policy_of_the_step_before(prefect_api, tmp_path, tiny_inputs, _config):
     """Under trainer.one_step_ahead the rollout of step k+1 runs while step k trains, with the weights
     published for step k: every rollout but the first is one update behind."""
