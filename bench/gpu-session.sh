@@ -15,6 +15,10 @@
 #                                      t2: both GPUs: product GRPO with one-step-ahead, then without
 #   bash bench/gpu-session.sh g        bench/rollout.py at the step's shape (256 -> 512 tokens) with 0.85 of GPU 0's
 #                                      memory | with 0.4 of GPU 1's (the one-GPU run's setting), side by side
+#   bash bench/gpu-session.sh e        bench/rollout.py at the step's shape, one engine on GPU 0 | rollout.engines=2 on
+#                                      GPU 1 (two engines sharing the GPU), side by side
+#   bash bench/gpu-session.sh te       product GRPO, 1 GPU: rollout.engines=2 on GPU 0 | one engine on GPU 1, side by
+#                                      side; then both GPUs, one-step-ahead, rollout.engines=2 on the rollout GPU
 #   bash bench/gpu-session.sh k        kernel: the fused log-prob kernel's CUDA test and bench/logprobs.py on GPU 0
 #   bash bench/gpu-session.sh a b      phase a: bench/rollout.py on GPU 0  |  TRL GRPO on GPU 1
 #                                      phase b: product GRPO on GPU 0      |  product PPO on GPU 1
@@ -106,6 +110,17 @@ for phase in "$@"; do
        run rollout-mem085 0 bench/rollout.py --prompt-tokens 256 --new-tokens 512 --gpu-memory-utilization 0.85 &
        run rollout-mem040 1 bench/rollout.py --prompt-tokens 256 --new-tokens 512 --gpu-memory-utilization 0.4 &
        wait ;;
+    e) # rollout.engines: does a second engine process on the same GPU raise generation throughput?
+       run rollout-engines1 0 bench/rollout.py --prompt-tokens 256 --new-tokens 512 --repeats 2 --engines 1 &
+       run rollout-engines2 1 bench/rollout.py --prompt-tokens 256 --new-tokens 512 --repeats 2 --engines 2 &
+       wait ;;
+    te) steps=${STEPS:-2}
+       shared_prefect_server
+       run grpo-1gpu-engines2 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps" --set rollout.engines=2 & first=$!
+       run grpo-1gpu 1 bench/step.py --algorithm grpo --gpus 1 --steps "$steps" & second=$!
+       wait $first $second
+       run grpo-2gpu-ahead-engines2 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps" \
+         --set rollout.engines=2 ;;
     k) CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -q -p no:cacheprovider tests/components/test_fused.py 2>&1 | tail -3
        CUDA_VISIBLE_DEVICES=0 "$PY" bench/logprobs.py --out "$OUT/logprobs.json" 2>&1 | grep -E "^\||^logits|Error" ;;
     a) run rollout-1gpu 0 bench/rollout.py &
@@ -123,5 +138,5 @@ for phase in "$@"; do
 done
 pack_logs
 rm -rf "$LOGS"
-results=$(ls "$OUT"/*gpu.json "$OUT"/*gpu-ahead.json "$OUT"/*gpu-unfused.json 2>/dev/null)
+results=$(ls "$OUT"/*gpu.json "$OUT"/*gpu-ahead.json "$OUT"/*gpu-unfused.json "$OUT"/*gpu*-engines2.json 2>/dev/null)
 [ -n "$results" ] && "$PY" bench/step.py --table $results

@@ -2,9 +2,10 @@
 
     python bench/rollout.py                        # Qwen2.5-0.5B shape, 64 prompts x 8, 128 -> 256 tokens
     python bench/rollout.py --tp 2                 # tensor-parallel engine over the two visible GPUs
+    python bench/rollout.py --engines 2            # two engines side by side (rollout.engines), prompts split
     python bench/rollout.py --device cpu --preset tiny --prompts 8 --n 2 --prompt-tokens 16 --new-tokens 8
 
-One vLLM engine serves every measurement (it is the rollout role the flow builds, started once):
+One rollout role serves every measurement (as the flow builds it, started once; --engines 2: two engines):
   raw    `LLM.generate` on the prompts as token ids, n samples each, unseeded, no log-probs: vLLM alone,
          as a user would call it. Variants: with per-request seeds; with the sampled tokens' log-probs.
   stage  `flows.stages.rollout(config, step)`: prompt sampling from the Parquet dataset, generation with
@@ -28,6 +29,7 @@ import string
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -72,6 +74,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the engine")
+    parser.add_argument("--engines", type=int, default=1,
+                        help="rollout.engines: engines side by side, each on a share of the prompts (raw runs too)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -82,6 +86,7 @@ def main() -> None:
 
     from flows.config import build_config
     from flows.roles import get_role, layout_for, release_run
+    from components.vllm_rollout import prompt_shares
     from flows.stages import rollout, sync_rollout_weights
 
     model_dir = make_random_model(args.model_dir or f"/tmp/rlhf-bench-models/{args.preset}", args.preset)
@@ -99,7 +104,8 @@ def main() -> None:
         "rollout": {"engine": "vllm", "n": args.n, "max_new_tokens": args.new_tokens, "ignore_eos": True,
                     "temperature": 1.0, "gpu_memory_utilization": args.gpu_memory_utilization,
                     "tensor_parallel_size": args.tp if on_gpu else None, "enforce_eager": args.enforce_eager or not on_gpu,
-                    "kv_cache_gib": None if on_gpu else 1.0, "sleep": "on" if on_gpu else "off"},
+                    "kv_cache_gib": None if on_gpu else 1.0, "sleep": "on" if on_gpu else "off",
+                    "engines": args.engines},
         "trainer": {"device": args.device, "total_steps": 1},
         "tracking": {"tracking_uri": f"sqlite:///{work}/mlflow.db"},
     })
@@ -114,12 +120,23 @@ def main() -> None:
     prompts = [r.prompt_ids for r in get_role(config, "train_prompts")][: args.prompts]
     assert all(len(ids) == args.prompt_tokens for ids in prompts)
 
+    engines = getattr(engine, "engines", [engine])  # rollout.engines > 1: a DataParallelRollout
+    shares = prompt_shares(len(prompts), len(engines))
+
     def raw(seed: int | None, logprobs: bool = False) -> tuple[float, int]:
+        """`LLM.generate` itself; with several engines, each on its share of the prompts, in parallel."""
         extra = {"logprobs": 0, "flat_logprobs": True, "detokenize": False} if logprobs else {}
         sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=seed,
                                   **extra)
+
+        def share(part: int):
+            start, stop = shares[part]
+            return engines[part].llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts[start:stop]],
+                                              sampling, use_tqdm=False)
+
         begin = time.perf_counter()
-        outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], sampling, use_tqdm=False)
+        with ThreadPoolExecutor(len(shares)) as pool:
+            outputs = [output for result in pool.map(share, range(len(shares))) for output in result]
         seconds = time.perf_counter() - begin
         return seconds, sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
@@ -184,7 +201,7 @@ def main() -> None:
     ] + [{"measure": name, "value": f"{value:.3f}" if isinstance(value, float) else str(value)}
          for name, value in sleep.items()]
     print(f"\n{args.prompts} prompts x {args.n} samples, {args.prompt_tokens} prompt tokens, {args.new_tokens} new tokens "
-          f"(fixed), {args.preset}, tp={args.tp}, {args.device}\n")
+          f"(fixed), {args.preset}, tp={args.tp}, engines={args.engines}, {args.device}\n")
     print(markdown_table(rows, ["measure", "value"]))
     emit({"bench": "rollout", "args": vars(args), "raw_tokens_per_s": raw_tps, "stage_tokens_per_s": stage_tps,
           "stage_over_raw": stage_tps / raw_tps, "raw_logprobs_tokens_per_s": raw_logprob_tps,

@@ -58,7 +58,8 @@ class VLLMRolloutEngine:
     def __init__(self, path: str, *, dtype: str = "auto", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, kv_cache_gib: float | None = None, max_model_len: int,
                  seed: int = 0, enforce_eager: bool = False, sleep: bool = False, trust_remote_code: bool = False,
-                 max_num_seqs: int | None = None, custom_all_reduce: bool = False, tokenizer=None):
+                 max_num_seqs: int | None = None, custom_all_reduce: bool = False, tokenizer=None,
+                 devices: str | None = None):
         # vLLM's engine core and workers run in child processes; the weight reload below is a function
         # of this module sent to them, which vLLM only accepts with this set (local IPC, our own code).
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -81,6 +82,8 @@ class VLLMRolloutEngine:
 
             # Fork is unsafe once this process has touched CUDA (vLLM does not always notice): always spawn.
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+            if devices is not None:  # the engine's processes see only its GPUs (DataParallelRollout)
+                os.environ["CUDA_VISIBLE_DEVICES"] = devices
             if not custom_all_reduce:
                 # NCCL's all-reduce between tensor-parallel ranks, not vLLM's symmetric-memory kernels.
                 os.environ["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
@@ -154,25 +157,33 @@ class VLLMRolloutEngine:
             kwargs["flat_logprobs"] = True
         return VLLMSamplingParams(**kwargs)
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        """n samples for every prompt, ordered prompt-major: (p0,s0), (p0,s1), ..., (p1,s0), ..."""
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *, first_index: int = 0,
+                 with_logprobs: set[int] | None = None) -> list[Generation]:
+        """n samples for every prompt, ordered prompt-major: (p0,s0), (p0,s1), ..., (p1,s0), ...
+
+        `prompt_ids` may be a share of a larger batch that starts at prompt `first_index`: seeds, the
+        prompts given log-probs (`with_logprobs`, default: chosen among these prompts) and each
+        Generation's prompt_index are those of the whole batch.
+        """
         from vllm.inputs import TokensPrompt
 
         self.last_metrics = {}
         if self.asleep:
             self._wake()
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-        with_logprobs = logprob_prompts(len(prompts), params.logprobs_fraction)
-        sampling = [self.sampling_params(params, index, index in with_logprobs) for index in range(len(prompts))]
+        if with_logprobs is None:
+            with_logprobs = logprob_prompts(len(prompts), params.logprobs_fraction)
+        indices = range(first_index, first_index + len(prompts))
+        sampling = [self.sampling_params(params, index, index in with_logprobs) for index in indices]
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
-        generations = self._collect(outputs, params)
+        generations = self._collect(outputs, params, first_index)
         if self.sleep_enabled:
             self.sleep()
         return generations
 
-    def _collect(self, outputs, params: SamplingParams) -> list[Generation]:
+    def _collect(self, outputs, params: SamplingParams, first_index: int = 0) -> list[Generation]:
         generations: list[Generation] = []
-        for prompt_index, output in enumerate(outputs):
+        for prompt_index, output in enumerate(outputs, start=first_index):
             completions = sorted(output.outputs, key=lambda c: c.index)
             if len(completions) != params.n:
                 raise RuntimeError(f"vLLM returned {len(completions)} samples for prompt {prompt_index}, "
@@ -205,6 +216,90 @@ class VLLMRolloutEngine:
         import gc
 
         gc.collect()
+
+
+def prompt_shares(count: int, parts: int) -> list[tuple[int, int]]:
+    """`count` prompts cut into `parts` contiguous [start, stop) shares whose sizes differ by at most one
+    (empty shares dropped). Contiguous: a prompt's n samples stay in one engine (its prefix cache)."""
+    bounds = [part * count // parts for part in range(parts + 1)]
+    return [(start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
+
+
+class DataParallelRollout:
+    """Several vLLM engines side by side (rollout.engines), each generating for a contiguous share of
+    the prompts in a thread of its own; weights load into all of them, sleep and wake apply to all.
+
+    Each engine has its own engine-core process, so their per-step CPU work (scheduling, sampling,
+    output handling) runs in parallel, which a small model's decoding may be waiting on. The batch's
+    result is the one engine's, prompt for prompt: seeds and the prompts given log-probs are those
+    of the whole batch.
+    """
+
+    def __init__(self, engines: list[VLLMRolloutEngine]):
+        if not engines:
+            raise ValueError("DataParallelRollout needs at least one engine")
+        self.engines = engines
+        self.tokenizer = engines[0].tokenizer
+        self.start_seconds = sum(engine.start_seconds for engine in engines)
+        self.weights_version: int | None = None
+        self.last_metrics: dict[str, float] = {}
+
+    @property
+    def weights_path(self) -> str:
+        return self.engines[0].weights_path
+
+    @property
+    def asleep(self) -> bool:
+        return all(engine.asleep for engine in self.engines)
+
+    @property
+    def sleep_enabled(self) -> bool:
+        return self.engines[0].sleep_enabled
+
+    @sleep_enabled.setter
+    def sleep_enabled(self, value: bool) -> None:
+        for engine in self.engines:
+            engine.sleep_enabled = value
+
+    def _each(self, calls: list) -> list:
+        """Run one call per engine, in parallel; the first error is raised once all have finished."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if len(calls) == 1:
+            return [calls[0]()]
+        with ThreadPoolExecutor(len(calls), thread_name_prefix="rlhf-engine") as pool:
+            futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]
+
+    def _gather_metrics(self, engines) -> None:
+        # The engines work in parallel: the slowest one's time is the batch's.
+        self.last_metrics = {}
+        for engine in engines:
+            for name, value in engine.last_metrics.items():
+                self.last_metrics[name] = max(value, self.last_metrics.get(name, value))
+
+    def load_weights(self, path: str) -> None:
+        self._each([lambda engine=engine: engine.load_weights(path) for engine in self.engines])
+        self._gather_metrics(self.engines)
+
+    def sleep(self) -> None:
+        self._each([engine.sleep for engine in self.engines])
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """n samples for every prompt, prompt-major, as one engine would return them."""
+        with_logprobs = logprob_prompts(len(prompt_ids), params.logprobs_fraction)
+        shares = prompt_shares(len(prompt_ids), len(self.engines))
+        busy = self.engines[:len(shares)]
+        results = self._each([
+            lambda engine=engine, start=start, stop=stop: engine.generate(
+                prompt_ids[start:stop], params, first_index=start, with_logprobs=with_logprobs)
+            for engine, (start, stop) in zip(busy, shares)])
+        self._gather_metrics(busy)
+        return [generation for result in results for generation in result]
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
 
 
 @contextlib.contextmanager

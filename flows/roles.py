@@ -75,6 +75,20 @@ def rollout_sleeps(config: Config, on_gpu: bool) -> bool:
     return on_gpu and (sleep == "on" or (sleep == "auto" and rollout_shares_gpu(config)))
 
 
+def _rollout_gpus(config: Config) -> int:
+    """GPUs the rollout's engines may use in this process: every visible one in the rollout's worker,
+    the first one under local execution (where trainer.device is cuda:0), none on the CPU."""
+    import torch
+
+    from components.models import resolve_device
+    from flows import worker
+
+    if resolve_device(config.trainer.device).type != "cuda":
+        return 0
+    serving_rollout = worker.CURRENT is not None and worker.CURRENT.state.get("role") == "rollout"
+    return torch.cuda.device_count() if serving_rollout else min(1, torch.cuda.device_count())
+
+
 def _vllm_options(config: Config) -> dict:
     """Engine options with their placement-dependent defaults resolved (see RolloutConfig)."""
     import torch
@@ -85,10 +99,7 @@ def _vllm_options(config: Config) -> dict:
     on_gpu = resolve_device(config.trainer.device).type == "cuda"
     shares = on_gpu and rollout_shares_gpu(config)
     visible = torch.cuda.device_count() if on_gpu else 0
-    from flows import worker
-
-    serving_rollout = worker.CURRENT is not None and worker.CURRENT.state.get("role") == "rollout"
-    tensor_parallel = rollout.tensor_parallel_size or (visible if serving_rollout and visible else 1)
+    tensor_parallel = rollout.tensor_parallel_size or max(1, _rollout_gpus(config) // rollout.engines)
     if on_gpu and tensor_parallel > visible:
         raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel}: only {visible} GPUs are visible to the "
                          "rollout; place the rollout role on that many GPUs")
@@ -107,12 +118,47 @@ def _vllm_options(config: Config) -> dict:
     )
 
 
+def engine_placements(count: int, tensor_parallel: int, gpus: int, visible_devices: str | None) -> list[tuple[str, int]]:
+    """(CUDA_VISIBLE_DEVICES of the engine, engines sharing its GPUs) for each of `count` vLLM engines.
+
+    The rollout's `gpus` (the first ones this process sees; `visible_devices` is its CUDA_VISIBLE_DEVICES)
+    form groups of `tensor_parallel`; engine i takes group i mod groups."""
+    groups = gpus // tensor_parallel
+    if groups < 1:
+        raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel}: only {gpus} GPUs are visible to the rollout")
+    physical = [part.strip() for part in visible_devices.split(",")] if visible_devices else [str(i) for i in range(gpus)]
+    sharing = [len(range(group, count, groups)) for group in range(groups)]
+    return [(",".join(physical[(index % groups) * tensor_parallel:(index % groups + 1) * tensor_parallel]),
+             sharing[index % groups]) for index in range(count)]
+
+
 def _build_rollout(config: Config):
     if rollout_engine_name(config) == "vllm":
-        from components.vllm_rollout import VLLMRolloutEngine
+        from components.vllm_rollout import DataParallelRollout, VLLMRolloutEngine
 
-        return VLLMRolloutEngine(initial_policy_path(config), tokenizer=get_role(config, "tokenizer"),
-                                 **_vllm_options(config))
+        path, tokenizer, options = initial_policy_path(config), get_role(config, "tokenizer"), _vllm_options(config)
+        count = config.rollout.engines
+        if count == 1:
+            return VLLMRolloutEngine(path, tokenizer=tokenizer, **options)
+        engines = []
+        try:
+            if options["kv_cache_gib"] is not None or not _rollout_gpus(config):  # kv_cache_gib: per engine
+                placements = [(None, 1)] * count
+            else:
+                import os
+
+                placements = engine_placements(count, options["tensor_parallel_size"], _rollout_gpus(config),
+                                               os.environ.get("CUDA_VISIBLE_DEVICES"))
+            for index, (devices, sharing) in enumerate(placements):
+                # Its own seed: unseeded requests must not draw the same noise in every engine.
+                share = dict(options, gpu_memory_utilization=options["gpu_memory_utilization"] / sharing,
+                             seed=options["seed"] + index)
+                engines.append(VLLMRolloutEngine(path, tokenizer=tokenizer, devices=devices, **share))
+        except BaseException:
+            for engine in engines:
+                engine.close()
+            raise
+        return DataParallelRollout(engines)
     from components.rollout import HFRolloutEngine
 
     return HFRolloutEngine.from_pretrained(initial_policy_path(config), micro_batch_size=config.rollout.micro_batch_size,

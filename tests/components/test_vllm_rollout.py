@@ -191,3 +191,71 @@ def test_stop_strings_end_the_response(engine):
     for g in stopped:
         assert engine.tokenizer.decode(g.response_ids)[-1] in stops
         assert not any(stop in g.text for stop in stops)  # vLLM leaves the stop string out of the text
+
+
+@pytest.fixture(scope="module")
+def two_engines(engine, model_path):
+    """The module's engine and a second one, side by side (rollout.engines=2)."""
+    from components.vllm_rollout import DataParallelRollout, VLLMRolloutEngine
+
+    second = VLLMRolloutEngine(model_path, dtype="float32", kv_cache_gib=0.5 if DEVICE == "cpu" else None,
+                               gpu_memory_utilization=0.3, max_model_len=32, enforce_eager=True, seed=1,
+                               tokenizer=engine.tokenizer)
+    yield DataParallelRollout([engine, second])
+    second.close()
+
+
+def test_prompt_shares_are_contiguous_and_even():
+    from components.vllm_rollout import prompt_shares
+
+    assert prompt_shares(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert prompt_shares(3, 2) == [(0, 1), (1, 3)]
+    assert prompt_shares(2, 3) == [(0, 1), (1, 2)]  # an engine without prompts sits this batch out
+    assert prompt_shares(0, 2) == []
+
+
+def test_two_engines_give_what_one_engine_gives_prompt_for_prompt(engine, two_engines):
+    """Seeds and the prompts that carry log-probs are those of the whole batch, whichever engine runs a
+    prompt: the samples are the same tokens, in the same order, with the same log-probs."""
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=MAX_NEW, seed=11, ignore_eos=True,
+                            logprobs_fraction=0.5)
+    one = engine.generate(PROMPTS, params)
+    two = two_engines.generate(PROMPTS, params)  # prompt 0 on the first engine, prompts 1-2 on the second
+    assert [(g.prompt_index, g.sample_index) for g in two] == [(p, s) for p in range(3) for s in range(3)]
+    assert [g.response_ids for g in two] == [g.response_ids for g in one]
+    assert [g.logprobs is not None for g in two] == [p in (0, 1) for p in range(3) for _ in range(3)]
+    for mine, theirs in zip(two, one):
+        if mine.logprobs is not None:
+            assert torch.allclose(torch.tensor(mine.logprobs), torch.tensor(theirs.logprobs), atol=1e-4)
+    assert [g.text for g in two] == [g.text for g in one]
+
+
+def test_weights_load_into_every_engine(two_engines, model_path, tmp_path):
+    """Perturbed weights loaded through the pair: the log-probs of both engines' samples are those
+    transformers computes for the new weights; the original loaded back restores both engines."""
+    from safetensors.torch import load_file, save_file
+
+    from components.models import load_causal_lm
+
+    sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, ignore_eos=True, seed=5)
+    before = two_engines.generate(PROMPTS, sampled)
+    changed = tmp_path / "changed"
+    shutil.copytree(model_path, changed)
+    generator = torch.Generator().manual_seed(1)
+    state = {name: tensor + 0.5 * tensor.std() * torch.randn(tensor.shape, generator=generator)
+             for name, tensor in load_file(f"{model_path}/model.safetensors").items()}
+    save_file(state, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        two_engines.load_weights(str(changed))
+        new_model = load_causal_lm(str(changed), dtype="float32", device="cpu")
+        generations = two_engines.generate(PROMPTS, sampled)
+        for first, last in ((0, 2), (2, 6)):  # prompt 0: the first engine; prompts 1 and 2: the second
+            differences = torch.cat([
+                (torch.tensor(g.logprobs) - _hf_logprobs(new_model, PROMPTS[g.prompt_index], g.response_ids, 1.0)).abs()
+                for g in generations[first:last]])
+            assert float(differences.max()) < 1e-3
+            assert [g.logprobs for g in generations[first:last]] != [g.logprobs for g in before[first:last]]
+    finally:
+        two_engines.load_weights(model_path)
+    after = two_engines.generate(PROMPTS, sampled)
+    assert [g.response_ids for g in after] == [g.response_ids for g in before]

@@ -26,22 +26,25 @@ if not vllm_supports("cpu"):
 STEPS = 3
 
 
-def test_flow_with_vllm_rollout_keeps_logprobs_consistent(prefect_api, tmp_path, make_config):
+@pytest.mark.parametrize("engines", [1, 2])
+def test_flow_with_vllm_rollout_keeps_logprobs_consistent(prefect_api, tmp_path, make_config, engines):
+    """With two engines (rollout.engines=2), prompts 0-1 go to the first and 2-3 to the second, and the
+    log-prob gap below is measured on prompts 0 and 2: both engines must hold each step's weights."""
     from flows.train import train
 
-    config = make_config(tmp_path, "vllm", "e2e-vllm",
+    config = make_config(tmp_path, "vllm", f"e2e-vllm-{engines}",
                          rollout={"engine": "vllm", "n": 4, "max_new_tokens": 6, "kv_cache_gib": 0.5,
-                                  "logprobs_fraction": 0.5},
+                                  "logprobs_fraction": 0.5, "engines": engines},
                          actor={"ppo_mini_batch_size": 8, "micro_batch_size": 8, "optim": {"lr": 1e-3}},
                          warm_start={"steps": 3, "batch_size": 8},
                          trainer={"total_steps": STEPS, "val_every": 1, "device": "cpu"})
     loads_before = LOAD_COUNTS.get("rollout", 0)
     state = train(config, return_state=True)
     assert state.is_completed(), state
-    assert LOAD_COUNTS["rollout"] - loads_before == 1  # one engine for the whole run
+    assert LOAD_COUNTS["rollout"] - loads_before == 1  # one rollout role (of `engines` engines) for the whole run
 
     client = MlflowClient(config.tracking.tracking_uri)
-    run = client.search_runs([client.get_experiment_by_name("e2e-vllm").experiment_id])[0]
+    run = client.search_runs([client.get_experiment_by_name(f"e2e-vllm-{engines}").experiment_id])[0]
 
     def history(name):
         return {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}

@@ -415,3 +415,10 @@ def test_vllm_rollout_options_are_validated():
     assert "rollout.min_new_tokens=9 must be <= rollout.max_new_tokens=4" in config_error(
         ["rollout.min_new_tokens=9", "rollout.max_new_tokens=4"])
     assert "rollout.gpu_memory_utilization" in config_error(["rollout.gpu_memory_utilization=1.5"])
+
+
+def test_several_rollout_engines_need_vllm():
+    message = config_error(["rollout.engines=2", "rollout.engine=hf"])
+    assert message.startswith("rollout.engines=2: several engines are vLLM engines"), message
+    assert "rollout.engines" in config_error(["rollout.engines=0"])
+    assert build_config(None, ["rollout.engines=2"]).rollout.engines == 2
