@@ -142,22 +142,27 @@ def test_greedy_matches_transformers_argmax(engine, hf_model):
         assert g.response_ids == ids[len(PROMPTS[g.prompt_index]):]
 
 
+def _perturbed_copy(model_path, target, seed: int):
+    """A copy of the model folder with every tensor (tied embeddings included) moved by noise."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_path, target)
+    generator = torch.Generator().manual_seed(seed)
+    state = {name: tensor + 0.5 * tensor.std() * torch.randn(tensor.shape, generator=generator)
+             for name, tensor in load_file(f"{model_path}/model.safetensors").items()}
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
 def test_load_weights_replaces_every_tensor_and_round_trips(engine, model_path, tmp_path):
     """New weights (every tensor perturbed, tied embeddings included) change generation to exactly
     what transformers computes for them; loading the original back restores the original outputs."""
-    from safetensors.torch import load_file, save_file
-
     from components.models import load_causal_lm
 
     sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, ignore_eos=True, seed=5)
     before = engine.generate(PROMPTS, sampled)
 
-    changed = tmp_path / "changed"
-    shutil.copytree(model_path, changed)
-    generator = torch.Generator().manual_seed(0)
-    state = {name: tensor + 0.5 * tensor.std() * torch.randn(tensor.shape, generator=generator)
-             for name, tensor in load_file(f"{model_path}/model.safetensors").items()}
-    save_file(state, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    changed = _perturbed_copy(model_path, tmp_path / "changed", seed=0)
     engine.load_weights(str(changed))
     new_model = load_causal_lm(str(changed), dtype="float32", device="cpu")
     generations = engine.generate(PROMPTS, sampled)
@@ -233,18 +238,11 @@ def test_two_engines_give_what_one_engine_gives_prompt_for_prompt(engine, two_en
 def test_weights_load_into_every_engine(two_engines, model_path, tmp_path):
     """Perturbed weights loaded through the pair: the log-probs of both engines' samples are those
     transformers computes for the new weights; the original loaded back restores both engines."""
-    from safetensors.torch import load_file, save_file
-
     from components.models import load_causal_lm
 
     sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, ignore_eos=True, seed=5)
     before = two_engines.generate(PROMPTS, sampled)
-    changed = tmp_path / "changed"
-    shutil.copytree(model_path, changed)
-    generator = torch.Generator().manual_seed(1)
-    state = {name: tensor + 0.5 * tensor.std() * torch.randn(tensor.shape, generator=generator)
-             for name, tensor in load_file(f"{model_path}/model.safetensors").items()}
-    save_file(state, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    changed = _perturbed_copy(model_path, tmp_path / "changed", seed=1)
     try:
         two_engines.load_weights(str(changed))
         new_model = load_causal_lm(str(changed), dtype="float32", device="cpu")
