@@ -6,6 +6,7 @@ GPU-pinned worker later) keeps its roles here, keyed by run, so nothing assumes 
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Callable
 
@@ -140,17 +141,14 @@ def _build_rollout(config: Config):
         count = config.rollout.engines
         if count == 1:
             return VLLMRolloutEngine(path, tokenizer=tokenizer, **options)
+        gpus = _rollout_gpus(config)
+        placements = (engine_placements(count, options["tensor_parallel_size"], gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+                      if gpus else [(None, 1)] * count)
         engines = []
         try:
-            if options["kv_cache_gib"] is not None or not _rollout_gpus(config):  # kv_cache_gib: per engine
-                placements = [(None, 1)] * count
-            else:
-                import os
-
-                placements = engine_placements(count, options["tensor_parallel_size"], _rollout_gpus(config),
-                                               os.environ.get("CUDA_VISIBLE_DEVICES"))
             for index, (devices, sharing) in enumerate(placements):
-                # Its own seed: unseeded requests must not draw the same noise in every engine.
+                # Engines on one GPU split its memory share (kv_cache_gib, when set, is per engine). Each has
+                # its own seed: unseeded requests must not draw the same noise in every engine.
                 share = dict(options, gpu_memory_utilization=options["gpu_memory_utilization"] / sharing,
                              seed=options["seed"] + index)
                 engines.append(VLLMRolloutEngine(path, tokenizer=tokenizer, devices=devices, **share))
