@@ -10,7 +10,8 @@
 #                                      before this change when .baseline/ holds a copy of it)
 #   bash bench/gpu-session.sh t        the step table: t1, then t2 (about 13 minutes: more than one 10-minute device
 #                                      call; run t1 and t2 as two calls back to back on one lease), with one shared
-#                                      Prefect server and 2 measured steps per run (STEPS=3 for more)
+#                                      Prefect server and 2 measured steps per run (STEPS=3 for more);
+#                                      PRODUCT_SET="rollout.engines=2" adds config overrides to every product run
 #                                      t1: GPU 0: product GRPO, then product PPO | GPU 1: TRL GRPO
 #                                      t2: both GPUs: product GRPO with one-step-ahead, then without
 #   bash bench/gpu-session.sh g        bench/rollout.py at the step's shape (256 -> 512 tokens) with 0.85 of GPU 0's
@@ -95,15 +96,18 @@ for phase in "$@"; do
        update unfused --set model.fused_logprobs=false ;;
     t|t1|t2) shared_prefect_server
        steps=${STEPS:-2}
+       # PRODUCT_SET="rollout.engines=2" (space-separated KEY=VALUE): config overrides for every product run
+       product_set=(); for item in ${PRODUCT_SET:-}; do product_set+=(--set "$item"); done
        if [ "$phase" != t2 ]; then
-         { run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps"
-           run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps"; } & first=$!
+         { run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps" "${product_set[@]}"
+           run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps" "${product_set[@]}"; } & first=$!
          run trl-grpo-1gpu 1 bench/trl_grpo.py --steps "$steps" & second=$!
          wait $first $second  # not a bare wait: the shared server is a child too
        fi
        if [ "$phase" != t1 ]; then
-         run grpo-2gpu-ahead 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps"
-         run grpo-2gpu 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps"
+         run grpo-2gpu-ahead 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps" \
+           "${product_set[@]}"
+         run grpo-2gpu 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps" "${product_set[@]}"
        fi ;;
     g) # why generation on a rollout-only GPU (0.85 of its memory, no sleep) was slower than on a shared one
        # (0.4): the same bench/rollout.py at the step's shape, both settings side by side
