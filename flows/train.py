@@ -35,8 +35,9 @@ from flows.system_metrics import stop_system_metrics
 
 def _inject_failure(stage: str, step) -> None:
     """Fault injection for tests and recovery drills: RLHF_INJECT_FAILURE=stage:step fails that stage;
-    stage:step:kill kills the worker process that takes it, once (a marker in the heartbeat folder
-    remembers), as a lost machine would: no exception, no final state."""
+    stage:step:kill SIGKILLs the process that runs it (its role's worker under trainer.execution=workers),
+    once (a marker in the heartbeat folder remembers), as a lost machine would: no exception, no final
+    state."""
     target = os.environ.get("RLHF_INJECT_FAILURE", "")
     if not target:
         return
