@@ -103,15 +103,21 @@ def worker_pool(config: Config, api_url: str) -> Iterator["WorkerPool"]:
         pool.stop()
 
 
-def print_worker_summary(heartbeat_directory: str) -> None:
-    """One line per live worker: where it ran, how often it loaded models, its peak GPU memory."""
-    from flows.worker import read_heartbeats
+def print_worker_summary(heartbeat_directory: str, now: float | None = None) -> None:
+    """One line per worker of the run: where it ran, how often it loaded models, its peak GPU memory;
+    a worker that died (and was replaced) is marked with the age of its last heartbeat."""
+    import time
 
-    for beat in sorted(read_heartbeats(heartbeat_directory), key=lambda beat: beat["role"]):
+    from flows.worker import HEARTBEAT_INTERVAL_S, read_heartbeats
+
+    now = time.time() if now is None else now
+    for beat in sorted(read_heartbeats(heartbeat_directory), key=lambda beat: (beat["role"], beat.get("started", 0))):
         peak = beat.get("cuda_peak_allocated_gib")
+        age = now - beat.get("beat", now)
         print(f"worker {beat['role']:<9} pid {beat['pid']} devices {beat['devices'] or 'cpu'} "
               f"stages run {len(beat['finished'])} model loads {beat['load_counts']}"
-              + (f" peak GPU memory allocated {peak} GiB" if peak else ""))
+              + (f" peak GPU memory allocated {peak} GiB" if peak else "")
+              + (f" (gone: last heartbeat {age:.0f} s ago)" if age > 5 * HEARTBEAT_INTERVAL_S else ""))
 
 
 def run_training(config: Config, start_workers: bool = False) -> tuple[dict, str]:
