@@ -166,6 +166,7 @@ def _build_rollout(config: Config):
 def _build_actor(config: Config):
     from components.actor import Actor
 
+    restored = _restore_step(config)
     checkpoint = restore_point(config, "actor")
     actor = Actor.from_pretrained(checkpoint or initial_policy_path(config), config.actor,
                                   temperature=config.rollout.temperature, seed=config.trainer.seed,
@@ -173,17 +174,68 @@ def _build_actor(config: Config):
     _shard_if_distributed(actor.model)
     _compile_if_asked(config, actor.model)
     _restore_trainer_state(actor.updater, checkpoint)
+    actor.state_step = restored or 0
+    """Its updates so far: the training state at the start of this step (trained_role checks it)."""
     return actor
 
 
 def restore_point(config: Config, role: str) -> str | None:
-    """On resume, the role's folder in the latest checkpoint (None: start from the initial weights)."""
+    """The role's folder in the run's latest checkpoint (None: none yet, start from the initial weights).
+
+    A resumed run restarts there; so does a worker that replaces a dead one in the middle of a run
+    (a new run's folder holds no checkpoint: start_run refuses or clears an existing one)."""
+    step = _restore_step(config)
+    return None if step is None else f"{layout_for(config).checkpoint_dir(step)}/{role}"
+
+
+def _restore_step(config: Config) -> int | None:
     from flows.resume import latest_checkpoint
 
-    if not config.run.resume:
-        return None
-    step = latest_checkpoint(layout_for(config))
-    return None if step is None else f"{layout_for(config).checkpoint_dir(step)}/{role}"
+    return _REQUESTED_RESTORE.get(threading.get_ident(), latest_checkpoint(layout_for(config)))
+
+
+_REQUESTED_RESTORE: dict[int, int | None] = {}
+"""A rebuild for a given step (trained_role) asks its builder for that checkpoint, per thread."""
+
+
+class RoleStateError(RuntimeError):
+    """A trained role's state is not the one the stage needs, and no checkpoint has it."""
+
+
+def trained_role(config: Config, name: str, step: int, stage: str):
+    """The actor or critic holding its training state at the start of `step` (its updates of steps
+    0..step-1), rebuilt from the checkpoint of `step` when the resident one holds another state: a
+    worker that replaced a dead one, an update that failed midway and is retried, a stage submitted
+    again after it had finished, a long-lived worker still holding an earlier run of the same name.
+
+    Raises RoleStateError (one line: what to do) when neither the resident role nor a checkpoint has it.
+    """
+    from flows.resume import latest_checkpoint
+
+    instance = get_role(config, name)
+    if instance.state_step == step:
+        return instance
+    held = "no known step (an update stopped midway)" if instance.state_step is None else f"step {instance.state_step}"
+    layout = layout_for(config)
+    if layout.fs.exists(f"{layout.checkpoint_dir(step)}/driver.json"):  # committed
+        source = step
+    elif step == 0:
+        source = None  # the initial weights
+    else:
+        latest = latest_checkpoint(layout)
+        raise RoleStateError(
+            f"stage {stage} at step {step}: the {name} holds the training state of {held} and no checkpoint has "
+            f"step {step}'s (its worker was replaced, or an attempt of the stage stopped midway); resume the run: "
+            f"rlhf resume {config.run.name} (restarts at {'the start' if latest is None else f'step {latest}'})")
+    release_role(config, name)
+    _REQUESTED_RESTORE[threading.get_ident()] = source
+    try:
+        instance = get_role(config, name)
+    finally:
+        _REQUESTED_RESTORE.pop(threading.get_ident(), None)
+    print(f"{name}: held the training state of {held}; stage {stage} at step {step} needs step {step}'s: rebuilt "
+          f"from {'the initial weights' if source is None else f'checkpoint {source}'}")
+    return instance
 
 
 def _restore_trainer_state(updater, checkpoint: str | None) -> None:
@@ -226,6 +278,7 @@ def _build_critic(config: Config):
 
     import torch
 
+    restored = _restore_step(config)
     checkpoint = restore_point(config, "critic")
     # The value head is initialised at random: seed it, so that it does not depend on which stages
     # ran before in this process (a resumed run skips some), and leave the global RNG untouched.
@@ -236,6 +289,7 @@ def _build_critic(config: Config):
     _shard_if_distributed(critic.model)
     _compile_if_asked(config, critic.model)
     _restore_trainer_state(critic.updater, checkpoint)
+    critic.state_step = restored or 0
     return critic
 
 
@@ -293,6 +347,14 @@ def get_role(config: Config, name: str) -> Any:
             _ROLES[key] = instance
             LOAD_COUNTS[name] = LOAD_COUNTS.get(name, 0) + 1
             return instance
+
+
+def release_role(config: Config, name: str) -> None:
+    """Drop one role of this run (it is built again on next use)."""
+    with _LOCK:
+        instance = _ROLES.pop((f"{config.run.storage_root}/{config.run.name}", name), None)
+    if instance is not None:
+        _close(instance)
 
 
 def release_run(config: Config) -> None:

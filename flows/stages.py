@@ -27,7 +27,7 @@ from components.batch import SequenceBatch, build_sequence_batch
 from components.rollout import SamplingParams
 from flows.config import Config
 from flows.resume import prune_weights
-from flows.roles import get_role, initial_policy_path, layout_for
+from flows.roles import get_role, initial_policy_path, layout_for, trained_role
 from components.distributed import full_state_dict, is_writer
 from storage import atomic_directory, padded_tensor, read_stage, unpad_arrow
 from storage import write_stage as _write_stage
@@ -185,7 +185,7 @@ def _per_token_stage(config: Config, step: int, stage: str, column: str, timing:
 
 
 def _finite_logprobs(config: Config, step: int, batch: SequenceBatch) -> torch.Tensor:
-    logprobs = get_role(config, "actor").compute_logprobs(batch)[0]
+    logprobs = trained_role(config, "actor", step, "old_logprobs").compute_logprobs(batch)[0]
     uids = [f"row {row}" for row in range(batch.size)]  # the rollout's order; uids are in its file
     check_finite("old_logprobs", step, "the actor's log-prob", logprobs, uids)
     return logprobs
@@ -200,7 +200,8 @@ def reference(config: Config, step: int) -> StageResult:
 
 def values(config: Config, step: int) -> StageResult:
     """Critic values of every response position."""
-    result = _per_token_stage(config, step, "values", "values", "values", get_role(config, "critic").compute_values)
+    critic = trained_role(config, "critic", step, "values")
+    result = _per_token_stage(config, step, "values", "values", "values", critic.compute_values)
     metrics = result["metrics"] | _stats("critic/values", result["values"], result["batch"].response_mask)
     return {"path": result["path"], "metrics": metrics}
 
@@ -262,7 +263,8 @@ def update_actor(config: Config, step: int) -> StageResult:
     length = batch.response_length
     ref_logprobs = (_per_token(_read(config, step, "reference", rollout_table), "ref_logprobs", length)
                     if config.actor.use_kl_loss else None)
-    actor = get_role(config, "actor")
+    actor = trained_role(config, "actor", step, "update_actor")
+    actor.state_step = None  # until this update is done: a failure midway leaves no known state
     metrics: dict[str, float] = {}
     on_policy = config.on_policy_update
     with timed(metrics, "update_actor"):
@@ -288,6 +290,7 @@ def update_actor(config: Config, step: int) -> StageResult:
                 actor.model.save_pretrained(local, state_dict=state)
             # Older copies are not read again (with one_step_ahead the rollout is one copy behind).
             prune_weights(layout, step + 1, config.trainer.keep_weights)
+    actor.state_step = step + 1
     return {"path": path, "metrics": metrics}
 
 
@@ -297,10 +300,13 @@ def update_critic(config: Config, step: int) -> StageResult:
     batch = _rollout_batch(config, rollout_table)
     length = batch.response_length
     metrics: dict[str, float] = {}
+    critic = trained_role(config, "critic", step, "update_critic")
+    critic.state_step = None  # until this update is done
     with timed(metrics, "update_critic"):
-        metrics.update(get_role(config, "critic").update(
+        metrics.update(critic.update(
             batch, old_values=_per_token(_read(config, step, "values", rollout_table), "values", length),
             returns=_per_token(_read(config, step, "advantages", rollout_table), "returns", length)))
+    critic.state_step = step + 1
     return {"path": layout_for(config).stage_path(step, "advantages"), "metrics": metrics}
 
 
@@ -376,7 +382,7 @@ def _checkpoint_role(config: Config, step: int, role: str) -> StageResult:
     from components.checkpoint import save_role_checkpoint
 
     layout = layout_for(config)
-    instance = get_role(config, role)
+    instance = trained_role(config, role, step, f"checkpoint_{role}")
     path = f"{layout.checkpoint_dir(step)}/{role}"
     metrics: dict[str, float] = {}
     with timed(metrics, f"checkpoint_{role}"):

@@ -3,6 +3,7 @@ loads its model once, and a worker killed in the middle of a stage is replaced w
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import threading
@@ -129,6 +130,51 @@ def test_a_worker_that_dies_as_it_is_handed_a_run_is_replaced_and_the_run_submit
     for step in range(2):
         uids = read_stage(layout, step, "rollout").column("uid").to_pylist()
         assert read_stage(layout, step, "reward", expected_rows=len(uids), expected_uids=uids).num_rows == len(uids)
+
+
+def _final_actor_weights(config) -> dict[str, str]:
+    root = Path(RunLayout(config.run.storage_root, config.run.name).run_dir)
+    steps = config.trainer.total_steps
+    weights = {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+               for path in sorted(root.glob(f"weights/actor/{steps}/*.safetensors"))}
+    assert weights, "no final weights"
+    return weights
+
+
+def test_an_actor_worker_killed_in_its_update_is_replaced_from_the_checkpoint_and_ends_the_same(
+        prefect_api, tmp_path, tiny_inputs, monkeypatch, _config):
+    """The actor holds training state. Its replacement, built in the middle of the run, restores the
+    checkpoint of the step it is asked for (weights, optimizer, RNG), so the run ends with the same
+    weights, bit for bit, as a run that was never interrupted (before, it restarted from step 0's)."""
+    baseline = _config(tmp_path / "baseline", tiny_inputs, "actor-baseline")
+    state, _, _ = _train_with_workers(baseline, prefect_api)
+    assert state.is_completed(), state
+
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "update_actor:1:kill")
+    config = _config(tmp_path / "killed", tiny_inputs, "actor-killed")
+    state, beats, pool = _train_with_workers(config, prefect_api)
+    assert state.is_completed(), state
+    assert pool.restarts["actor"] == 1
+    replacement = next(beat for beat in beats if beat["pid"] == pool.processes["actor"].pid)
+    assert [step for stage, step in replacement["finished"] if stage == "update_actor"] == [1]
+    assert _final_actor_weights(config) == _final_actor_weights(baseline)
+
+
+def test_an_actor_that_cannot_be_restored_fails_the_stage_with_what_to_do(prefect_api, tmp_path, tiny_inputs,
+                                                                          monkeypatch, _config):
+    """Without a checkpoint of the step (trainer.checkpoint_every=0), a replaced actor cannot hold the
+    state the update needs: the stage fails with one line saying so, instead of training step 0's
+    weights as if they were step 1's."""
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "update_actor:1:kill")
+    config = _config(tmp_path, tiny_inputs, "actor-lost")
+    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"checkpoint_every": 0})})
+    state, _, pool = _train_with_workers(config, prefect_api)
+    assert state.is_failed(), state
+    assert pool.restarts["actor"] == 1
+    message = str(state.message)
+    assert ("stage update_actor at step 1: the actor holds the training state of step 0 and no checkpoint has "
+            "step 1's") in message, message
+    assert "rlhf resume actor-lost (restarts at the start)" in message, message
 
 
 def test_one_step_ahead_rollout_uses_the_policy_of_the_step_before(prefect_api, tmp_path, tiny_inputs, _config):

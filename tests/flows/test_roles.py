@@ -20,3 +20,75 @@ def test_more_engines_than_groups_share_them_round_robin():
 def test_a_tensor_parallel_size_beyond_the_gpus_is_refused():
     with pytest.raises(ValueError, match="rollout.tensor_parallel_size=2: only 1 GPUs"):
         engine_placements(1, 2, 1, None)
+
+
+# --- trained_role: a trained role's state must be the one the stage needs -------------------------
+
+class _Role:
+    def __init__(self, restored):
+        self.restored, self.state_step, self.closed = restored, restored or 0, False
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def trained(tmp_path, monkeypatch):
+    """A config whose run folder has committed checkpoints 1 and 3 (latest 3), and an actor builder
+    that records which checkpoint it was asked to restore (None: the initial weights)."""
+    import json
+
+    from flows import roles
+    from flows.config import build_config
+
+    config = build_config({"run": {"name": "r", "storage_root": str(tmp_path)}})
+    layout = roles.layout_for(config)
+    for step in (1, 3):
+        folder = tmp_path / "r" / "checkpoints" / str(step)
+        assert layout.checkpoint_dir(step) == str(folder), layout.checkpoint_dir(step)
+        folder.mkdir(parents=True)
+        (folder / "driver.json").write_text("{}")
+    (tmp_path / "r" / "checkpoints" / "latest.json").write_text(json.dumps({"step": 3}))
+    built = []
+
+    def build(config):
+        built.append(_Role(roles._restore_step(config)))
+        return built[-1]
+
+    monkeypatch.setitem(roles.BUILDERS, "actor", build)
+    yield config, built
+    roles.release_run(config)
+
+
+def test_a_role_holding_the_needed_state_is_used_as_it_is(trained):
+    from flows.roles import trained_role
+
+    config, built = trained
+    first = trained_role(config, "actor", 3, "update_actor")  # built from the latest checkpoint
+    assert [role.restored for role in built] == [3]
+    assert trained_role(config, "actor", 3, "old_logprobs") is first and len(built) == 1
+
+
+def test_a_role_left_midway_is_rebuilt_from_the_checkpoint_of_the_step(trained):
+    from flows.roles import trained_role
+
+    config, built = trained
+    trained_role(config, "actor", 3, "update_actor").state_step = None  # an update that raised midway
+    again = trained_role(config, "actor", 3, "update_actor")
+    assert [role.restored for role in built] == [3, 3] and again is built[1] and built[0].closed
+    again.state_step = 5  # e.g. a long-lived worker that ran further
+    assert trained_role(config, "actor", 1, "checkpoint_actor").restored == 1
+    assert trained_role(config, "actor", 0, "old_logprobs").restored is None  # step 0: the initial weights
+    assert [role.restored for role in built] == [3, 3, 1, None]
+
+
+def test_a_state_no_checkpoint_has_fails_with_one_line_saying_what_to_do(trained):
+    from flows.roles import RoleStateError, trained_role
+
+    config, _ = trained
+    with pytest.raises(RoleStateError) as error:
+        trained_role(config, "actor", 2, "update_actor")
+    assert str(error.value) == (
+        "stage update_actor at step 2: the actor holds the training state of step 3 and no checkpoint has step 2's "
+        "(its worker was replaced, or an attempt of the stage stopped midway); resume the run: rlhf resume r "
+        "(restarts at step 3)")
