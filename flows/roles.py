@@ -349,6 +349,26 @@ def get_role(config: Config, name: str) -> Any:
             return instance
 
 
+_RUN_CREATED: dict[str, str | None] = {}
+"""When the run whose roles this process holds was created (its run record), by run folder."""
+
+
+def forget_earlier_run(config: Config) -> None:
+    """Before a stage in a worker: drop the roles of an earlier run that had this run's name. A worker
+    started by hand outlives runs; a new run under the same name (run.overwrite=true) has a new run
+    record, and none of the earlier run's models (or its engine's weights) may serve it."""
+    from flows.resume import read_run_record
+
+    try:
+        created = read_run_record(layout_for(config)).get("created")
+    except ValueError:  # no run record (a stage called outside a run): nothing to tell apart
+        return
+    prefix = f"{config.run.storage_root}/{config.run.name}"
+    if prefix in _RUN_CREATED and _RUN_CREATED[prefix] != created:
+        release_run(config)
+    _RUN_CREATED[prefix] = created
+
+
 def release_role(config: Config, name: str) -> None:
     """Drop one role of this run (it is built again on next use)."""
     with _LOCK:

@@ -29,7 +29,7 @@ from prefect.cache_policies import NO_CACHE
 from flows import stages
 from flows.config import Config
 from flows.driver import RunState, for_this_flow_run, start_run
-from flows.roles import layout_for, release_run
+from flows.roles import forget_earlier_run, layout_for, release_run
 from flows.system_metrics import stop_system_metrics
 
 
@@ -79,8 +79,10 @@ def _stage_task(function, name: str):
                 broadcast_call((name, args, kwargs))
             from flows.system_metrics import start_system_metrics
 
+            config = args[0] if args else kwargs["config"]
+            forget_earlier_run(config)
             # Here, not at worker start: the MLflow run exists only once the driver has started the flow.
-            start_system_metrics(args[0] if args else kwargs["config"], worker.CURRENT.state["role"])
+            start_system_metrics(config, worker.CURRENT.state["role"])
             return function(*args, **kwargs)
 
     # No tags: a tagged task asks the server for tag concurrency slots on every run, which cost

@@ -204,6 +204,7 @@ def follow(role: str, devices: str) -> None:
     pin_devices(devices)
     from components.distributed import broadcast_call, init_from_environment
     from flows import stages
+    from flows.roles import forget_earlier_run
 
     init_from_environment()
     while True:
@@ -214,6 +215,7 @@ def follow(role: str, devices: str) -> None:
         if stage == "warm_start":  # no collectives: rank 0 does it alone
             continue
         try:
+            forget_earlier_run(args[0] if args else kwargs["config"])  # as rank 0 does (flows.train)
             getattr(stages, stage)(*args, **kwargs)
         except Exception:  # noqa: BLE001 - rank 0 reports the stage's failure; stay in step with it
             traceback.print_exc()

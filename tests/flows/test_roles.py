@@ -92,3 +92,29 @@ def test_a_state_no_checkpoint_has_fails_with_one_line_saying_what_to_do(trained
         "stage update_actor at step 2: the actor holds the training state of step 3 and no checkpoint has step 2's "
         "(its worker was replaced, or an attempt of the stage stopped midway); resume the run: rlhf resume r "
         "(restarts at step 3)")
+
+
+def test_a_worker_drops_the_roles_of_an_earlier_run_of_the_same_name(tmp_path, monkeypatch):
+    """A long-lived worker serving a new run under an old name (run.overwrite=true) must not keep the
+    old run's models: the run record's creation time tells the runs apart."""
+    import json
+
+    from flows import roles
+    from flows.config import build_config
+
+    config = build_config({"run": {"name": "same", "storage_root": str(tmp_path)}})
+    record = tmp_path / "same" / "run.json"
+    record.parent.mkdir(parents=True)
+    built = []
+    monkeypatch.setitem(roles.BUILDERS, "reference", lambda config: built.append(_Role(None)) or built[-1])
+    try:
+        record.write_text(json.dumps({"created": "2026-11-30T10:00:00"}))
+        roles.forget_earlier_run(config)
+        first = roles.get_role(config, "reference")
+        roles.forget_earlier_run(config)  # the same run, a later stage: kept
+        assert roles.get_role(config, "reference") is first and not first.closed
+        record.write_text(json.dumps({"created": "2026-11-30T11:00:00"}))  # overwritten by a new run
+        roles.forget_earlier_run(config)
+        assert first.closed and roles.get_role(config, "reference") is not first and len(built) == 2
+    finally:
+        roles.release_run(config)
