@@ -59,16 +59,25 @@ def prune_weights(layout: RunLayout, newest: int, keep: int | None) -> list[int]
     return deleted
 
 
+def _driver_path(layout: RunLayout, step: int) -> str:
+    return f"{layout.checkpoint_dir(step)}/driver.json"
+
+
+def checkpoint_committed(layout: RunLayout, step: int) -> bool:
+    """Whether checkpoint `step` is whole: the driver's part is written last, after the roles'."""
+    return layout.fs.exists(_driver_path(layout, step))
+
+
 def commit_checkpoint(layout: RunLayout, step: int, driver_state: dict, keep: int) -> None:
     """Record the driver's part, point `latest` at step k, then delete all but the newest `keep`."""
-    write_json_atomic(layout.fs, f"{layout.checkpoint_dir(step)}/driver.json", driver_state)
+    write_json_atomic(layout.fs, _driver_path(layout, step), driver_state)
     write_json_atomic(layout.fs, f"{layout.run_dir}/checkpoints/latest.json", {"step": step})
     for old in layout.step_folders(f"{layout.run_dir}/checkpoints")[:-keep]:
         layout.fs.rm(layout.checkpoint_dir(old), recursive=True)
 
 
 def driver_state(layout: RunLayout, step: int) -> dict:
-    return read_json(layout.fs, f"{layout.checkpoint_dir(step)}/driver.json")
+    return read_json(layout.fs, _driver_path(layout, step))
 
 
 def _metrics_path(layout: RunLayout, stage: str, step: int | None) -> str:

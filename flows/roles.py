@@ -22,6 +22,10 @@ LOAD_COUNTS: dict[str, int] = {}
 """How many times each role was built in this process (tests check models load once)."""
 
 
+LATEST = object()
+"""The `restore` of a trained role's builder by default: the run's latest checkpoint, if any."""
+
+
 def layout_for(config: Config) -> RunLayout:
     return RunLayout(config.run.storage_root, config.run.name)
 
@@ -163,11 +167,10 @@ def _build_rollout(config: Config):
                                            **_model_kwargs(config))
 
 
-def _build_actor(config: Config):
+def _build_actor(config: Config, restore: int | None | object = LATEST):
     from components.actor import Actor
 
-    restored = _restore_step(config)
-    checkpoint = restore_point(config, "actor")
+    restored, checkpoint = restore_point(config, "actor", restore)
     actor = Actor.from_pretrained(checkpoint or initial_policy_path(config), config.actor,
                                   temperature=config.rollout.temperature, seed=config.trainer.seed,
                                   fused=config.model.fused_logprobs, **_model_kwargs(config))
@@ -179,23 +182,15 @@ def _build_actor(config: Config):
     return actor
 
 
-def restore_point(config: Config, role: str) -> str | None:
-    """The role's folder in the run's latest checkpoint (None: none yet, start from the initial weights).
-
-    A resumed run restarts there; so does a worker that replaces a dead one in the middle of a run
-    (a new run's folder holds no checkpoint: start_run refuses or clears an existing one)."""
-    step = _restore_step(config)
-    return None if step is None else f"{layout_for(config).checkpoint_dir(step)}/{role}"
-
-
-def _restore_step(config: Config) -> int | None:
+def restore_point(config: Config, role: str, restore: int | None | object = LATEST) -> tuple[int | None, str | None]:
+    """(checkpoint step, the role's folder in it) to build a trained role from; (None, None): the initial
+    weights. `restore`: a checkpoint step, None for the initial weights, or LATEST: the run's latest
+    checkpoint, where a resumed run restarts and so does a worker that replaces a dead one in the middle
+    of a run (a new run's folder holds no checkpoint: start_run refuses or clears an existing one)."""
     from flows.resume import latest_checkpoint
 
-    return _REQUESTED_RESTORE.get(threading.get_ident(), latest_checkpoint(layout_for(config)))
-
-
-_REQUESTED_RESTORE: dict[int, int | None] = {}
-"""A rebuild for a given step (trained_role) asks its builder for that checkpoint, per thread."""
+    step = latest_checkpoint(layout_for(config)) if restore is LATEST else restore
+    return step, None if step is None else f"{layout_for(config).checkpoint_dir(step)}/{role}"
 
 
 class RoleStateError(RuntimeError):
@@ -210,14 +205,14 @@ def trained_role(config: Config, name: str, step: int, stage: str):
 
     Raises RoleStateError (one line: what to do) when neither the resident role nor a checkpoint has it.
     """
-    from flows.resume import latest_checkpoint
+    from flows.resume import checkpoint_committed, latest_checkpoint
 
     instance = get_role(config, name)
     if instance.state_step == step:
         return instance
     held = "no known step (an update stopped midway)" if instance.state_step is None else f"step {instance.state_step}"
     layout = layout_for(config)
-    if layout.fs.exists(f"{layout.checkpoint_dir(step)}/driver.json"):  # committed
+    if checkpoint_committed(layout, step):
         source = step
     elif step == 0:
         source = None  # the initial weights
@@ -228,11 +223,7 @@ def trained_role(config: Config, name: str, step: int, stage: str):
             f"step {step}'s (its worker was replaced, or an attempt of the stage stopped midway); resume the run: "
             f"rlhf resume {config.run.name} (restarts at {'the start' if latest is None else f'step {latest}'})")
     release_role(config, name)
-    _REQUESTED_RESTORE[threading.get_ident()] = source
-    try:
-        instance = get_role(config, name)
-    finally:
-        _REQUESTED_RESTORE.pop(threading.get_ident(), None)
+    instance = get_role(config, name, restore=source)
     print(f"{name}: held the training state of {held}; stage {stage} at step {step} needs step {step}'s: rebuilt "
           f"from {'the initial weights' if source is None else f'checkpoint {source}'}")
     return instance
@@ -273,13 +264,12 @@ def _build_reference(config: Config):
                                      **_model_kwargs(config))
 
 
-def _build_critic(config: Config):
+def _build_critic(config: Config, restore: int | None | object = LATEST):
     from components.critic import Critic
 
     import torch
 
-    restored = _restore_step(config)
-    checkpoint = restore_point(config, "critic")
+    restored, checkpoint = restore_point(config, "critic", restore)
     # The value head is initialised at random: seed it, so that it does not depend on which stages
     # ran before in this process (a resumed run skips some), and leave the global RNG untouched.
     with torch.random.fork_rng(devices=[]):
@@ -328,8 +318,9 @@ BUILDERS: dict[str, Callable[[Config], Any]] = {
 }
 
 
-def get_role(config: Config, name: str) -> Any:
-    """The resident instance of role `name` for this run, built on first use."""
+def get_role(config: Config, name: str, **build_options) -> Any:
+    """The resident instance of role `name` for this run, built on first use (with `build_options`,
+    e.g. a trained role's `restore`)."""
     key = (f"{config.run.storage_root}/{config.run.name}", name)
     with _LOCK:
         if key in _ROLES:
@@ -342,7 +333,7 @@ def get_role(config: Config, name: str) -> Any:
             # A long-lived worker serves one run at a time: free the models of earlier runs first.
             for stale in [other for other in _ROLES if other[0] != key[0]]:
                 _close(_ROLES.pop(stale))
-        instance = BUILDERS[name](config)
+        instance = BUILDERS[name](config, **build_options)
         with _LOCK:
             _ROLES[key] = instance
             LOAD_COUNTS[name] = LOAD_COUNTS.get(name, 0) + 1

@@ -6,8 +6,9 @@
 CUDA_VISIBLE_DEVICES is set before anything imports torch, so the worker sees only its GPUs. Models
 load on first use and stay resident (flows.roles) across steps. The worker writes a heartbeat file
 (`<heartbeat dir>/<role>-<host>-<pid>.json`) every second: which task runs it holds, which it is done
-with, since when it has been idle, which stages it finished and how many times it loaded each model. The driver reads these files to tell a slow stage
-from a dead worker; the directory may be on shared storage (any fsspec URI) for workers on other hosts.
+with, since when it has been idle, which stages it finished and how many times it loaded each model.
+The driver reads these files to tell a slow stage from a dead worker; the directory may be on shared
+storage (any fsspec URI) for workers on other hosts.
 """
 
 from __future__ import annotations

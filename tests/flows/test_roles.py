@@ -51,8 +51,8 @@ def trained(tmp_path, monkeypatch):
     (tmp_path / "r" / "checkpoints" / "latest.json").write_text(json.dumps({"step": 3}))
     built = []
 
-    def build(config):
-        built.append(_Role(roles._restore_step(config)))
+    def build(config, restore=roles.LATEST):
+        built.append(_Role(roles.restore_point(config, "actor", restore)[0]))
         return built[-1]
 
     monkeypatch.setitem(roles.BUILDERS, "actor", build)
