@@ -20,6 +20,8 @@
 #                                      GPU 1 (two engines sharing the GPU), side by side
 #   bash bench/gpu-session.sh te       product GRPO, 1 GPU: rollout.engines=2 on GPU 0 | one engine on GPU 1, side by
 #                                      side; then both GPUs, one-step-ahead, rollout.engines=2 on the rollout GPU
+#   bash bench/gpu-session.sh s1       t1, and product GRPO with rollout.engines=2 on GPU 1 after TRL
+#   bash bench/gpu-session.sh ae       both GPUs, one-step-ahead: rollout.engines=2, then one engine
 #   bash bench/gpu-session.sh k        kernel: the fused log-prob kernel's CUDA test and bench/logprobs.py on GPU 0
 #   bash bench/gpu-session.sh a b      phase a: bench/rollout.py on GPU 0  |  TRL GRPO on GPU 1
 #                                      phase b: product GRPO on GPU 0      |  product PPO on GPU 1
@@ -109,6 +111,20 @@ for phase in "$@"; do
            "${product_set[@]}"
          run grpo-2gpu 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps" "${product_set[@]}"
        fi ;;
+    s1) # t1 and, on GPU 1 after TRL, product GRPO with rollout.engines=2 (so both engine counts run on one lease)
+       shared_prefect_server
+       steps=${STEPS:-2}
+       { run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps"
+         run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps"; } & first=$!
+       { run trl-grpo-1gpu 1 bench/trl_grpo.py --steps "$steps"
+         run grpo-1gpu-engines2 1 bench/step.py --algorithm grpo --gpus 1 --steps "$steps" --set rollout.engines=2; } \
+         & second=$!
+       wait $first $second ;;
+    ae) shared_prefect_server  # both GPUs, one-step-ahead: rollout.engines=2, then 1, on the rollout GPU
+       steps=${STEPS:-2}
+       run grpo-2gpu-ahead-engines2 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps" \
+         --set rollout.engines=2
+       run grpo-2gpu-ahead 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps" ;;
     g) # why generation on a rollout-only GPU (0.85 of its memory, no sleep) was slower than on a shared one
        # (0.4): the same bench/rollout.py at the step's shape, both settings side by side
        run rollout-mem085 0 bench/rollout.py --prompt-tokens 256 --new-tokens 512 --gpu-memory-utilization 0.85 &
