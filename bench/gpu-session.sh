@@ -22,6 +22,7 @@
 #                                      side; then both GPUs, one-step-ahead, rollout.engines=2 on the rollout GPU
 #   bash bench/gpu-session.sh s1       t1, and product GRPO with rollout.engines=2 on GPU 1 after TRL
 #   bash bench/gpu-session.sh ae       both GPUs, one-step-ahead: rollout.engines=2, then one engine
+#   bash bench/gpu-session.sh pe       both GPUs, no one-step-ahead: rollout.engines=2, then one engine
 #   bash bench/gpu-session.sh k        kernel: the fused log-prob kernel's CUDA test and bench/logprobs.py on GPU 0
 #   bash bench/gpu-session.sh a b      phase a: bench/rollout.py on GPU 0  |  TRL GRPO on GPU 1
 #                                      phase b: product GRPO on GPU 0      |  product PPO on GPU 1
@@ -48,7 +49,8 @@ MODEL=${MODEL:-/tmp/rlhf-bench-models/qwen2.5-0.5b}
 shared_prefect_server() {  # one Prefect server for every run of the session (saves its start per run)
   [ -n "${PREFECT_API_URL:-}" ] && return
   local port=4299
-  PREFECT_HOME=/tmp/rlhf-bench-prefect PREFECT_LOGGING_LEVEL=WARNING "$PY" -m prefect server start --host 127.0.0.1 \
+  PREFECT_HOME=/tmp/rlhf-bench-prefect PREFECT_LOGGING_LEVEL=WARNING PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL=1 \
+    "$PY" -m prefect server start --host 127.0.0.1 \
     --port $port > "$LOGS/prefect-server.log" 2>&1 &
   disown $!  # a later bare `wait` of a phase must not wait for the server
   export PREFECT_API_URL=http://127.0.0.1:$port/api
@@ -125,6 +127,10 @@ for phase in "$@"; do
        run grpo-2gpu-ahead-engines2 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps" \
          --set rollout.engines=2
        run grpo-2gpu-ahead 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps" ;;
+    pe) shared_prefect_server  # both GPUs, no one-step-ahead: rollout.engines=2, then 1, on the rollout GPU
+       steps=${STEPS:-2}
+       run grpo-2gpu-engines2 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps" --set rollout.engines=2
+       run grpo-2gpu 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps" ;;
     g) # why generation on a rollout-only GPU (0.85 of its memory, no sleep) was slower than on a shared one
        # (0.4): the same bench/rollout.py at the step's shape, both settings side by side
        run rollout-mem085 0 bench/rollout.py --prompt-tokens 256 --new-tokens 512 --gpu-memory-utilization 0.85 &

@@ -65,7 +65,10 @@ class RunState:
         if pending.metrics is not None:
             return pending.metrics
         if isinstance(pending.handle, RemoteStage):
-            metrics = pending.handle.result()["metrics"]
+            result = pending.handle.result()
+            metrics = result["metrics"]
+            if (dispatch_s := pending.handle.dispatch_s(result)) is not None:
+                metrics = {**metrics, f"timing_s/dispatch_{pending.stage}": dispatch_s}
         else:  # the timeout bounds the driver's wait: a thread running the stage cannot be interrupted
             metrics = pending.handle.result(timeout=self.config.trainer.stage_timeout_s)["metrics"]
         record_stage_metrics(layout_for(self.config), pending.stage, pending.step, metrics)

@@ -32,6 +32,9 @@ def server_environment(prefect_home: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(PREFECT_HOME=str(prefect_home.resolve()), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_LOGGING_LEVEL=env.get("PREFECT_LOGGING_LEVEL", "WARNING"))
+    # The task run recorder retries a failed write of task run events at its periodic flush (default
+    # every 5 s; Prefect rounds it down to whole seconds): 1 s keeps the UI's states close to the truth.
+    env.setdefault("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL", "1")
     return env
 
 

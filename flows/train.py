@@ -71,6 +71,7 @@ def _stage_task(function, name: str):
 
         # First thing: the heartbeat says this worker holds the run, so the driver can tell a run
         # whose worker died (resubmit it) from one still waiting for a worker (flows.dispatch).
+        started_at = time.time()  # the driver logs the wait before the stage began (timing_s/dispatch_*)
         with worker.CURRENT.running(str(task_run.id), name, step):
             _inject_failure(name, step)
             from components.distributed import broadcast_call, is_distributed
@@ -83,7 +84,9 @@ def _stage_task(function, name: str):
             forget_earlier_run(config)
             # Here, not at worker start: the MLflow run exists only once the driver has started the flow.
             start_system_metrics(config, worker.CURRENT.state["role"])
-            return function(*args, **kwargs)
+            result = {**function(*args, **kwargs), "worker_started_at": started_at}
+            worker.publish_result(str(task_run.id), result)  # the driver's fast path (flows.dispatch)
+            return result
 
     # No tags: a tagged task asks the server for tag concurrency slots on every run, which cost
     # about 2 s per stage here even with no limits defined.

@@ -128,6 +128,52 @@ class _Running:
 CURRENT: Heartbeat | None = None
 """The heartbeat of this process when it is a worker (None in the driver)."""
 
+RESULTS_SUBDIR = "results"
+"""Where a worker leaves each finished stage's return value for the driver (`<heartbeat dir>/results/`)."""
+
+
+def _result_path(task_run_id: str, directory: str | None = None):
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(directory or heartbeat_dir())
+    return fs, f"{root.rstrip('/')}/{RESULTS_SUBDIR}/{task_run_id}.pkl"
+
+
+def publish_result(task_run_id: str, value, directory: str | None = None) -> bool:
+    """Leave a finished stage's return value where the driver looks first (atomically: written, then
+    renamed). The driver then need not wait for the task run's Completed state, which Prefect records
+    from an event, at times seconds late (see flows.dispatch). False when it could not be written: the
+    driver then waits for the state, as before."""
+    import cloudpickle
+
+    try:
+        fs, path = _result_path(task_run_id, directory)
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        with fs.open(f"{path}.tmp", "wb") as handle:
+            handle.write(cloudpickle.dumps(value))
+        fs.mv(f"{path}.tmp", path)
+        return True
+    except OSError as error:
+        print(f"stage result not published (the driver waits for the Prefect state): {error}", flush=True)
+        return False
+
+
+def take_result(task_run_id: str, directory: str | None = None) -> tuple[bool, object]:
+    """(True, value) when a worker published the task run's result (the file is removed), else (False, None)."""
+    import pickle
+
+    fs, path = _result_path(task_run_id, directory)
+    try:
+        with fs.open(path, "rb") as handle:
+            value = pickle.loads(handle.read())
+    except (OSError, EOFError, pickle.UnpicklingError):  # not there (yet), or storage hiccup: look again later
+        return False, None
+    try:
+        fs.rm(path)
+    except OSError:  # a stale file costs a few bytes, not correctness: task run ids are not reused
+        pass
+    return True, value
+
 
 def read_heartbeats(directory: str | None = None) -> Iterator[dict]:
     """Every worker heartbeat in the directory (unreadable or half-written files are skipped)."""

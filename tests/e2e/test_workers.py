@@ -196,3 +196,30 @@ def test_one_step_ahead_rollout_uses_the_policy_of_the_step_before(prefect_api, 
     assert sorted(step for stage, step in rollout["finished"] if stage == "rollout") == [0, 1, 2]
     layout = RunLayout(config.run.storage_root, "ahead")
     assert all(len(read_stage(layout, step, "rollout")) == PROMPTS * SAMPLES for step in range(3))
+
+
+def test_the_driver_takes_each_stage_result_from_its_worker_without_waiting_for_the_server(
+        tmp_path, tiny_inputs, _config, monkeypatch):
+    """A server whose task run recorder is off never learns a task run's final state (Prefect records
+    states sent as events there). The run still completes: the driver takes each stage's result from
+    the file its worker publishes (flows.worker.publish_result), and leaves none behind. Before, it
+    waited for the server's Completed state, which Prefect 3.7 at times records seconds late."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.launcher import prefect_server, using_prefect_api
+
+    monkeypatch.setenv("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_ENABLED", "false")
+    home = tmp_path / "prefect-home"
+    config = _config(tmp_path, tiny_inputs, "no-recorder")
+    with prefect_server(prefect_home=home) as api_url, using_prefect_api(api_url, prefect_home=home):
+        state, beats, _ = _train_with_workers(config, api_url)
+    assert state.is_completed(), state
+    assert sorted(step for beat in beats if beat["role"] == "actor"
+                  for stage, step in beat["finished"] if stage == "update_actor") == [0, 1]
+    assert not list((Path(os.environ["RLHF_WORKER_DIR"]) / "results").glob("*"))
+    client = MlflowClient(config.tracking.tracking_uri)
+    run = client.search_runs([client.get_experiment_by_name("workers").experiment_id],
+                             "tags.`rlhf.run_name` = 'no-recorder'")[0]
+    dispatch = {name for name in run.data.metrics if name.startswith("timing_s/dispatch_")}
+    assert {"timing_s/dispatch_rollout", "timing_s/dispatch_reward", "timing_s/dispatch_update_actor"} <= dispatch
+    assert all(run.data.metrics[name] >= 0 for name in dispatch)

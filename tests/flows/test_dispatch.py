@@ -69,3 +69,34 @@ def test_workers_of_another_role_neither_hold_nor_count():
     others = [beat(200.0, role="actor", running=[RUN]), beat(200.0, role="actor", idle_since=100.0)]
     assert runs.observe(others, running=False, now=200.0) == "no workers"
     assert runs.observe(others, running=True, now=200.0) == "lost"  # the server saw it run; nobody holds it
+
+
+def test_a_published_stage_result_is_taken_once_and_the_file_removed(tmp_path):
+    from flows.worker import publish_result, take_result
+
+    result = {"path": "runs/x/step_00001/reward.parquet", "metrics": {"reward/mean": 0.25}, "worker_started_at": 5.0}
+    assert take_result("run-1", str(tmp_path)) == (False, None)
+    assert publish_result("run-1", result, str(tmp_path))
+    assert [path.name for path in (tmp_path / "results").iterdir()] == ["run-1.pkl"]  # no .tmp left
+    assert take_result("run-1", str(tmp_path)) == (True, result)
+    assert take_result("run-1", str(tmp_path)) == (False, None)
+    assert not list((tmp_path / "results").iterdir())
+
+
+def test_a_result_that_cannot_be_published_leaves_the_driver_to_the_server_state(tmp_path, capsys):
+    from flows.worker import publish_result, take_result
+
+    (tmp_path / "results").write_text("a file where the results folder should be")
+    assert publish_result("run-2", {"metrics": {}}, str(tmp_path)) is False
+    assert "the driver waits for the Prefect state" in capsys.readouterr().out
+    assert take_result("run-2", str(tmp_path)) == (False, None)
+
+
+def test_dispatch_seconds_run_from_submission_to_the_start_in_the_worker():
+    from flows.dispatch import RemoteStage
+
+    stage = RemoteStage.__new__(RemoteStage)  # no server: only the arithmetic
+    stage.submitted_wall = 100.0
+    assert stage.dispatch_s({"metrics": {}, "worker_started_at": 100.25}) == 0.25
+    assert stage.dispatch_s({"metrics": {}, "worker_started_at": 99.9}) == 0.0  # clocks a little apart
+    assert stage.dispatch_s({"metrics": {}}) is None  # a stage run in the driver's process
