@@ -115,7 +115,7 @@ class RemoteStage:
     def dispatch_s(self, result: dict) -> float | None:
         """Seconds from this stage's submission to its start in a worker (the server's queue and the
         delivery to the worker; host clocks are assumed in step), or None when the result does not say."""
-        started = result.get("worker_started_at") if isinstance(result, dict) else None
+        started = result.get("worker_started_at")
         return None if started is None else max(0.0, started - self.submitted_wall)
 
     def _lost(self, state) -> bool:

@@ -146,12 +146,11 @@ def publish_result(task_run_id: str, value, directory: str | None = None) -> boo
     driver then waits for the state, as before."""
     import cloudpickle
 
+    # A stage ran, so torch (which storage imports) is already loaded.
+    from storage import write_bytes_atomic
+
     try:
-        fs, path = _result_path(task_run_id, directory)
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        with fs.open(f"{path}.tmp", "wb") as handle:
-            handle.write(cloudpickle.dumps(value))
-        fs.mv(f"{path}.tmp", path)
+        write_bytes_atomic(*_result_path(task_run_id, directory), cloudpickle.dumps(value))
         return True
     except OSError as error:
         print(f"stage result not published (the driver waits for the Prefect state): {error}", flush=True)

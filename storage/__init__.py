@@ -10,6 +10,7 @@ from storage.io import (
     unpad,
     unpad_arrow,
     validate_stage_file,
+    write_bytes_atomic,
     write_json_atomic,
     write_stage,
     write_table_atomic,
@@ -35,5 +36,5 @@ __all__ = [
     "StageFileError", "StageSchema", "StorageFileError",
     "atomic_directory", "describe_schema", "get_stage", "padded_tensor", "read_json",
     "read_stage", "unpad", "unpad_arrow", "validate_prompts_table", "validate_stage_file",
-    "write_json_atomic", "write_stage", "write_table_atomic",
+    "write_bytes_atomic", "write_json_atomic", "write_stage", "write_table_atomic",
 ]

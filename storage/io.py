@@ -69,7 +69,10 @@ def write_table_atomic(table: pa.Table, fs, path: str) -> str:
 
 
 def write_json_atomic(fs, path: str, obj) -> str:
-    payload = json.dumps(obj, indent=2, sort_keys=True).encode("utf-8")
+    return write_bytes_atomic(fs, path, json.dumps(obj, indent=2, sort_keys=True).encode("utf-8"))
+
+
+def write_bytes_atomic(fs, path: str, payload: bytes) -> str:
     return _publish_file(fs, lambda handle: handle.write(payload), path)
 
 
