@@ -114,7 +114,7 @@ def cmd_worker(args) -> int:
     if args.follower:
         follow(args.role, args.devices)
     else:
-        serve_role(args.role, args.devices, args.heartbeat_dir)
+        serve_role(args.role, args.devices, args.heartbeat_dir, preload=args.preload)
     return 0
 
 
@@ -191,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--devices", default="cpu", help="cpu, or GPU indices relative to CUDA_VISIBLE_DEVICES: 0,1")
     worker.add_argument("--heartbeat-dir", default=None,
                         help="folder (local or fsspec URI) the driver reads liveness from; default $RLHF_WORKER_DIR")
+    worker.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                        help="import MODULE before serving (repeatable; `rlhf run` passes vllm to a vLLM rollout's worker)")
     worker.add_argument("--follower", action="store_true", help=argparse.SUPPRESS)  # ranks > 0 of a sharded role
     worker.set_defaults(handler=cmd_worker)
 

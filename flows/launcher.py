@@ -130,8 +130,11 @@ class WorkerPool:
     Workers get their own process group, so stopping the pool (or Ctrl-C) leaves no orphans.
     """
 
-    def __init__(self, assignments: dict[str, object], env: dict[str, str], log_dir: Path, max_restarts: int = 5):
+    def __init__(self, assignments: dict[str, object], env: dict[str, str], log_dir: Path, max_restarts: int = 5,
+                 preload: dict[str, list[str]] | None = None):
         self.assignments = assignments
+        self.preload = preload or {}
+        """role -> modules its worker imports before serving (`rlhf worker --preload`)."""
         self.env = env
         self.log_dir = log_dir
         self.max_restarts = max_restarts
@@ -149,6 +152,7 @@ class WorkerPool:
         log = open(self.log_dir / f"worker-{role}.log", "ab")
         command = [sys.executable, "-m", "flows.cli", "worker", "--role", role,
                    "--devices", self.devices_argument(self.assignments[role])]
+        command += [argument for module in self.preload.get(role, ()) for argument in ("--preload", module)]
         self.processes[role] = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                                 start_new_session=True)
         log.close()

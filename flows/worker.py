@@ -267,8 +267,30 @@ def follow(role: str, devices: str) -> None:
             traceback.print_exc()
 
 
-def serve_role(role: str, devices: str, directory: str | None = None) -> None:
-    """Pin devices, start the heartbeat, and serve this role's stage tasks until stopped."""
+def preload_modules(modules) -> None:
+    """Import what this role's first stage would (vLLM for a vLLM rollout) before serving, so that it
+    happens while the driver sets up rather than inside the first stage. A failed import is printed and
+    left to that stage to report."""
+    import importlib
+
+    for module in modules:
+        started = time.perf_counter()
+        try:
+            if module == "vllm":  # imported without leaving vLLM's environment edits in this process
+                from components.vllm_rollout import preload_vllm
+
+                preload_vllm()
+            else:
+                importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001 - the stage that needs it raises the real error
+            print(f"preload {module}: {type(error).__name__}: {error}", flush=True)
+            continue
+        print(f"preloaded {module} in {time.perf_counter() - started:.1f} s", flush=True)
+
+
+def serve_role(role: str, devices: str, directory: str | None = None, preload=()) -> None:
+    """Pin devices, start the heartbeat, import the `preload` modules, and serve this role's stage tasks
+    until stopped."""
     global CURRENT
     if role not in ROLE_STAGES:
         raise ValueError(f"--role {role!r} is not one of: {', '.join(ROLE_STAGES)}")
@@ -288,6 +310,7 @@ def serve_role(role: str, devices: str, directory: str | None = None) -> None:
     CURRENT = Heartbeat(role, visible if devices != "cpu" else "cpu", directory or heartbeat_dir())
     CURRENT.start()
     try:
+        preload_modules(preload)
         # One stage at a time: a role's model is not safe to use from two stages at once.
         serve(*[STAGE_TASKS[stage] for stage in ROLE_STAGES[role]], limit=1)
     finally:

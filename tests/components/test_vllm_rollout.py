@@ -257,3 +257,38 @@ def test_weights_load_into_every_engine(two_engines, model_path, tmp_path):
         two_engines.load_weights(model_path)
     after = two_engines.generate(PROMPTS, sampled)
     assert [g.response_ids for g in after] == [g.response_ids for g in before]
+
+
+def test_preloading_vllm_records_what_its_import_changes_and_leaves_the_environment_alone():
+    """A rollout worker imports vLLM before its first stage (`rlhf worker --preload vllm`): the import's
+    edits of os.environ stay out of the worker and are replayed at engine start, so the engine starts
+    in the environment a plain import would have left."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "VLLM_LOGGING_LEVEL": "ERROR"}
+
+    def last_json(script: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    plain = last_json(
+        "import json, os\nbefore = dict(os.environ)\nimport vllm\n"
+        "print(json.dumps({k: os.environ.get(k) for k in before.keys() | os.environ.keys()"
+        " if before.get(k) != os.environ.get(k)}))")
+    preloaded = last_json(
+        "import json, os, sys\nbefore = dict(os.environ)\nimport components.vllm_rollout as module\n"
+        "first = module.preload_vllm()\nagain = module.preload_vllm()\n"
+        "unchanged = dict(os.environ) == before\nmodule._replay_import_environment()\n"
+        "print(json.dumps({'imported': 'vllm' in sys.modules, 'first': first, 'again': again, 'unchanged': unchanged,"
+        " 'recorded': module._IMPORT_ENVIRONMENT, 'replayed': {k: os.environ.get(k) for k in before.keys() |"
+        " os.environ.keys() if before.get(k) != os.environ.get(k)}}))")
+    assert preloaded["imported"] and preloaded["first"] > 0 and preloaded["again"] == 0.0
+    assert preloaded["unchanged"]
+    assert preloaded["recorded"] == plain
+    assert preloaded["replayed"] == {key: value for key, value in plain.items() if value is not None}

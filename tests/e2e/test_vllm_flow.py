@@ -71,3 +71,33 @@ def test_flow_with_vllm_rollout_keeps_logprobs_consistent(prefect_api, tmp_path,
         unmeasured = [all(math.isnan(value) for value in row) for row in logprobs]
         assert measured == [group in (0, 2) for group in range(4) for _ in range(4)]
         assert unmeasured == [not flag for flag in measured]
+
+
+def test_a_vllm_rollout_worker_imports_vllm_before_its_first_stage(prefect_api, tmp_path, make_config):
+    """`rlhf run` with workers passes --preload vllm to the rollout's worker: it imports vLLM while the
+    driver sets up, then starts the engine in the environment a plain import would have left (the run
+    trains and the engine's log-probs match the actor's)."""
+    from pathlib import Path
+
+    from flows.launcher import using_prefect_api, worker_environment
+    from flows.run import worker_pool
+    from flows.train import train
+
+    config = make_config(tmp_path, "vllm-workers", "e2e-vllm-workers",
+                         rollout={"engine": "vllm", "n": 4, "max_new_tokens": 6, "kv_cache_gib": 0.5},
+                         actor={"ppo_mini_batch_size": 8, "micro_batch_size": 8},
+                         placement={"default": "cpu"},
+                         trainer={"total_steps": 2, "val_every": 0, "device": "cpu", "execution": "workers"})
+    log = Path(".rlhf/logs", config.run.name, "worker-rollout.log")  # appended to: start empty
+    log.unlink(missing_ok=True)
+    storage = worker_environment(prefect_api, config.run.storage_root, "")["PREFECT_LOCAL_STORAGE_PATH"]
+    with using_prefect_api(prefect_api, local_storage_path=storage), worker_pool(config, prefect_api) as pool:
+        assert pool.preload == {"rollout": ["vllm"]}
+        state = train(config, return_state=True)
+    assert state.is_completed(), state
+    text = log.read_text()
+    assert "preloaded vllm in" in text, text[-3000:]
+    client = MlflowClient(config.tracking.tracking_uri)
+    run = client.search_runs([client.get_experiment_by_name("e2e-vllm-workers").experiment_id])[0]
+    diffs = [m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff_mean")]
+    assert len(diffs) == 2 and all(value < 0.02 for value in diffs), diffs

@@ -118,3 +118,22 @@ def test_a_worker_drops_the_roles_of_an_earlier_run_of_the_same_name(tmp_path, m
         assert first.closed and roles.get_role(config, "reference") is not first and len(built) == 2
     finally:
         roles.release_run(config)
+
+
+def test_a_vllm_rollout_worker_preloads_vllm_and_no_other_worker_does(tmp_path):
+    from flows.config import build_config
+    from flows.run import worker_preloads
+
+    def preloads(engine, rollout_devices):
+        config = build_config({"run": {"name": "r", "storage_root": str(tmp_path)}, "model": {"path": "m"},
+                               "data": {"train_files": ["t.parquet"]}, "rollout": {"engine": engine}})
+        return worker_preloads(config, {"rollout": rollout_devices, "actor": [1], "reward": "cpu"})
+
+    from components.vllm_rollout import vllm_supports
+
+    assert preloads("hf", "cpu") == {}
+    assert preloads("hf", [0]) == {}
+    assert preloads("vllm", "cpu") == ({"rollout": ["vllm"]} if vllm_supports("cpu") else {})
+    assert preloads("auto", [0]) == ({"rollout": ["vllm"]} if vllm_supports("cuda") else {})
+    assert worker_preloads(build_config({"run": {"name": "r"}, "model": {"path": "m"},
+                                         "data": {"train_files": ["t.parquet"]}}), {"actor": "cpu"}) == {}
