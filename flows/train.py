@@ -1,6 +1,7 @@
 """The training flow: PPO / GRPO as a Prefect stage graph.
 
-Before step 0 (optional): supervised warm-start of the policy, then validation.
+Before step 0: each role's worker (trainer.execution=workers) loads its model while the rollout's engine
+starts; (optional) supervised warm-start of the policy; then validation.
 Each training step k:
   1. rollout: sample rollout.n responses per prompt with the policy published for step k.
   2. reward scores, reference log-probs, critic values, old log-probs: concurrently.
@@ -95,7 +96,8 @@ def _stage_task(function, name: str):
 
 STAGE_TASKS = {name: _stage_task(getattr(stages, name), name) for name in (
     "rollout", "reward", "reference", "values", "old_logprobs", "advantages", "update_actor", "update_critic",
-    "validate", "warm_start", "checkpoint_actor", "checkpoint_critic")}
+    "validate", "warm_start", "checkpoint_actor", "checkpoint_critic",
+    "prepare_actor", "prepare_critic", "prepare_reference", "prepare_reward")}
 rollout_task, reward_task, reference_task, values_task, old_logprobs_task = (
     STAGE_TASKS[name] for name in ("rollout", "reward", "reference", "values", "old_logprobs"))
 advantages_task, update_actor_task, update_critic_task, validate_task, warm_start_task = (
@@ -153,6 +155,16 @@ def _checkpoint_tasks(config: Config) -> list:
     return [STAGE_TASKS["checkpoint_actor"]] + ([STAGE_TASKS["checkpoint_critic"]] if config.uses_critic else [])
 
 
+def prepared_roles(config: Config) -> list[str]:
+    """The roles a run prepares at its start: every role of its own worker but the rollout (whose engine
+    the first validation starts). None in one process, where models would load one after another anyway."""
+    if config.trainer.execution != "workers":
+        return []
+    from flows.run import roles_in_use
+
+    return [role for role in roles_in_use(config) if role != "rollout"]
+
+
 @flow(name="rlhf-train", log_prints=True)
 def train(config: Config) -> dict:
     """Train a causal LM with PPO/GRPO; return the final validation reward and where to look."""
@@ -165,12 +177,16 @@ def train(config: Config) -> dict:
         summary: dict = {"mlflow_run_id": state.tracker.run_id, "run_dir": layout_for(config).run_dir}
         if state.start_step:
             logger.info("resuming %s at step %d (latest checkpoint)", config.run.name, state.start_step + 1)
+        # Workers load their models while the rollout's engine starts for the first validation.
+        preparing = [state.submit(STAGE_TASKS[f"prepare_{role}"]) for role in prepared_roles(config)]
         if config.warm_start.steps > 0:
             # step 0. supervised warm-start (see components/sft.py for why); skipped when resumed
             warm = state.run(warm_start_task)
             state.log_metrics(warm, step=0)
             summary["val_reward_before_warm_start"] = warm["warm_start/val_reward_before"]
         first = state.run(validate_task, 0)
+        for pending in preparing:
+            first |= state.wait(pending)
         state.log_metrics(first, step=0)
         summary["val_reward_start"] = first["val/reward/mean"]
         logger.info("validation before RL: reward %.3f", first["val/reward/mean"])

@@ -28,10 +28,10 @@ DONE_KEPT = 64
 
 ROLE_STAGES: dict[str, tuple[str, ...]] = {
     "rollout": ("rollout", "validate"),
-    "actor": ("old_logprobs", "update_actor", "warm_start", "checkpoint_actor"),
-    "reference": ("reference",),
-    "critic": ("values", "update_critic", "checkpoint_critic"),
-    "reward": ("reward",),
+    "actor": ("old_logprobs", "update_actor", "warm_start", "checkpoint_actor", "prepare_actor"),
+    "reference": ("reference", "prepare_reference"),
+    "critic": ("values", "update_critic", "checkpoint_critic", "prepare_critic"),
+    "reward": ("reward", "prepare_reward"),
 }
 """Which stages each role's worker serves; `advantages` is driver math and runs in the flow."""
 

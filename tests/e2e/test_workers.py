@@ -58,6 +58,9 @@ def test_each_stage_runs_in_its_role_worker_which_loads_its_model_once(prefect_a
         stages = {stage for stage, _ in beat["finished"]}
         assert stages <= set(ROLE_STAGES[role]), (role, stages)
         assert beat["load_counts"].get(role) == 1, (role, beat["load_counts"])
+    # Every role but the rollout loaded its model in a prepare stage, first thing, beside the first validation.
+    assert sorted(role for role, beat in by_role.items() if beat["finished"][0][0] == f"prepare_{role}") == [
+        "actor", "reference", "reward"]
     assert sorted(step for stage, step in by_role["rollout"]["finished"] if stage == "rollout") == [0, 1]
     assert sorted(step for stage, step in by_role["actor"]["finished"] if stage == "update_actor") == [0, 1]
     assert all(restarts == 0 for restarts in pool.restarts.values())
@@ -104,7 +107,8 @@ def test_a_worker_killed_as_it_takes_a_stage_is_replaced_and_the_stage_runs_agai
     assert Path(os.environ["RLHF_WORKER_DIR"], "injected-kill-reward-1").exists()
     killed = next(beat for beat in beats if beat["role"] == "reward" and beat["pid"] != pool.processes["reward"].pid)
     replacement = next(beat for beat in beats if beat["pid"] == pool.processes["reward"].pid)
-    assert killed["running"] and [stage for stage, _ in killed["finished"]] == ["reward"]  # step 0, then died in 1
+    # prepared at the start, scored step 0, then died in step 1
+    assert killed["running"] and [stage for stage, _ in killed["finished"]] == ["prepare_reward", "reward"]
     assert [step for stage, step in replacement["finished"] if stage == "reward"] == [1]
     layout = RunLayout(config.run.storage_root, "killed-at-start")
     uids = read_stage(layout, 1, "rollout").column("uid").to_pylist()
