@@ -8,6 +8,10 @@
 #   bash bench/gpu-session.sh 6        phase 6: as phase 3, with trainer.one_step_ahead
 #   bash bench/gpu-session.sh u        bench/update.py on GPU 0: the actor update alone, variants (and the code
 #                                      before this change when .baseline/ holds a copy of it)
+#   bash bench/gpu-session.sh table    the issue's whole table in one call (under 10 minutes as measured in
+#                                      bench/README.md): GPU 0: product GRPO, then product PPO | GPU 1: TRL GRPO;
+#                                      then both GPUs: product GRPO with one-step-ahead, then without; every run
+#                                      bounded by what is left of DEADLINE_S (default 590 s from the script's start)
 #   bash bench/gpu-session.sh t        the step table: t1, then t2 (about 13 minutes: more than one 10-minute device
 #                                      call; run t1 and t2 as two calls back to back on one lease), with one shared
 #                                      Prefect server and 2 measured steps per run (STEPS=3 for more);
@@ -33,6 +37,7 @@
 # go to $OUT (default bench/results); the last line prints one table of every step result so far.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+STARTED=$SECONDS
 OUT=${OUT:-bench/results}
 LOGS=$OUT/logs  # every log, and the role workers' logs (.rlhf/logs), packed into $OUT/logs.tgz after each run:
 mkdir -p "$OUT" "$LOGS"  # a lent GPU machine sends back at most 8 files
@@ -44,27 +49,39 @@ export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}  # engine start and schedu
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 MLFLOW_ENABLE_TELEMETRY=false
 PY=${PYTHON:-python3}
 MODEL=${MODEL:-/tmp/rlhf-bench-models/qwen2.5-0.5b}
-"$PY" -c "from bench.common import make_random_model; print(make_random_model('$MODEL'))"
 
+SERVER_STARTING=
 shared_prefect_server() {  # one Prefect server for every run of the session (saves its start per run)
-  [ -n "${PREFECT_API_URL:-}" ] && return
+  [ -n "${PREFECT_API_URL:-}" ] && [ -z "$SERVER_STARTING" ] && return
   local port=4299
-  PREFECT_HOME=/tmp/rlhf-bench-prefect PREFECT_LOGGING_LEVEL=WARNING PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL=1 \
-    "$PY" -m prefect server start --host 127.0.0.1 \
-    --port $port > "$LOGS/prefect-server.log" 2>&1 &
-  disown $!  # a later bare `wait` of a phase must not wait for the server
-  export PREFECT_API_URL=http://127.0.0.1:$port/api
+  if [ -z "$SERVER_STARTING" ]; then
+    PREFECT_HOME=/tmp/rlhf-bench-prefect PREFECT_LOGGING_LEVEL=WARNING PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL=1 \
+      "$PY" -m prefect server start --host 127.0.0.1 \
+      --port $port > "$LOGS/prefect-server.log" 2>&1 &
+    disown $!  # a later bare `wait` of a phase must not wait for the server
+    export PREFECT_API_URL=http://127.0.0.1:$port/api
+  fi
+  [ "${1:-}" = start ] && { SERVER_STARTING=1; return; }  # started; the next call waits for it
+  SERVER_STARTING=
   "$PY" -c "from flows.launcher import wait_until_healthy; wait_until_healthy('${PREFECT_API_URL%/}', None)"
-  echo "== $(date +%T) shared Prefect server at $PREFECT_API_URL"
+  echo "== $(date +%T) (+$((SECONDS - STARTED)) s) shared Prefect server at $PREFECT_API_URL"
 }
+case " $* " in *" table "*|*" t "*|*" t1 "*|*" t2 "*|*" s1 "*|*" ae "*|*" pe "*|*" te "*) shared_prefect_server start ;; esac
+"$PY" -c "from bench.common import make_random_model; print(make_random_model('$MODEL'))"
 
 run() {  # run NAME GPUS COMMAND...: log to $OUT/NAME.log, keep the JSON in $OUT/NAME.json
   local name=$1 gpus=$2; shift 2
-  echo "== $(date +%T) $name on GPU $gpus: $*"
-  CUDA_VISIBLE_DEVICES=$gpus timeout "${RUN_TIMEOUT:-560}" "$PY" "$@" --model-dir "$MODEL" --out "$OUT/$name.json" \
+  local limit=${RUN_TIMEOUT:-560}
+  if [ -n "${DEADLINE_S:-}" ]; then  # what is left of the call's time, less 10 s to pack the logs
+    local left=$((DEADLINE_S - (SECONDS - STARTED) - 10))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 30 ]; then echo "== $name skipped: $((SECONDS - STARTED)) s of DEADLINE_S=$DEADLINE_S used"; return; fi
+  fi
+  echo "== $(date +%T) (+$((SECONDS - STARTED)) s) $name on GPU $gpus (limit ${limit} s): $*"
+  CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "$PY" "$@" --model-dir "$MODEL" --out "$OUT/$name.json" \
     > "$LOGS/$name.log" 2>&1
   local rc=$?
-  echo "== $(date +%T) $name exit $rc"; grep -E "^\| |^RESULT" "$LOGS/$name.log" | cut -c1-400 || tail -25 "$LOGS/$name.log"
+  echo "== $(date +%T) (+$((SECONDS - STARTED)) s) $name exit $rc"; grep -E "^\| |^RESULT" "$LOGS/$name.log" | cut -c1-400 || tail -25 "$LOGS/$name.log"
   [ $rc -eq 0 ] || tail -40 "$LOGS/$name.log"
   pack_logs
 }
@@ -98,6 +115,15 @@ for phase in "$@"; do
        update micro32 --micro-batch 32
        update compile-micro32 --micro-batch 32 --set model.compile=true
        update unfused --set model.fused_logprobs=false ;;
+    table) shared_prefect_server
+       export DEADLINE_S=${DEADLINE_S:-590}
+       steps=${STEPS:-2}
+       { run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps"
+         run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps"; } & first=$!
+       run trl-grpo-1gpu 1 bench/trl_grpo.py --steps "$steps" & second=$!
+       wait $first $second
+       run grpo-2gpu-ahead 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps"
+       run grpo-2gpu 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps" ;;
     t|t1|t2) shared_prefect_server
        steps=${STEPS:-2}
        # PRODUCT_SET="rollout.engines=2" (space-separated KEY=VALUE): config overrides for every product run
