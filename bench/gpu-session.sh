@@ -11,7 +11,8 @@
 #   bash bench/gpu-session.sh table    the whole table in one call (under 10 minutes as measured in
 #                                      bench/README.md): GPU 0: product GRPO, then product PPO | GPU 1: TRL GRPO;
 #                                      then both GPUs: product GRPO with one-step-ahead, then without; every run
-#                                      bounded by what is left of DEADLINE_S (default 590 s from the script's start)
+#                                      bounded by what is left of DEADLINE_S (default 590 s from the script's start);
+#                                      PRODUCT_SET as for phase t
 #   bash bench/gpu-session.sh t        the step table: t1, then t2 (about 13 minutes: more than one 10-minute device
 #                                      call; run t1 and t2 as two calls back to back on one lease), with one shared
 #                                      Prefect server and 2 measured steps per run (STEPS=3 for more);
@@ -118,12 +119,14 @@ for phase in "$@"; do
     table) shared_prefect_server
        export DEADLINE_S=${DEADLINE_S:-590}
        steps=${STEPS:-2}
-       { run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps"
-         run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps"; } & first=$!
+       product_set=(); for item in ${PRODUCT_SET:-}; do product_set+=(--set "$item"); done  # as for phase t
+       { run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps" "${product_set[@]}"
+         run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps" "${product_set[@]}"; } & first=$!
        run trl-grpo-1gpu 1 bench/trl_grpo.py --steps "$steps" & second=$!
        wait $first $second
-       run grpo-2gpu-ahead 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps"
-       run grpo-2gpu 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps" ;;
+       run grpo-2gpu-ahead 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps" \
+         "${product_set[@]}"
+       run grpo-2gpu 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps" "${product_set[@]}" ;;
     t|t1|t2) shared_prefect_server
        steps=${STEPS:-2}
        # PRODUCT_SET="rollout.engines=2" (space-separated KEY=VALUE): config overrides for every product run
