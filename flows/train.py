@@ -1,7 +1,7 @@
 """The training flow: PPO / GRPO as a Prefect stage graph.
 
-Before step 0: each role's worker (trainer.execution=workers) loads its model while the rollout's engine
-starts; (optional) supervised warm-start of the policy; then validation.
+Before step 0 (optional): supervised warm-start of the policy; then validation, while each role's worker
+(trainer.execution=workers) loads its model.
 Each training step k:
   1. rollout: sample rollout.n responses per prompt with the policy published for step k.
   2. reward scores, reference log-probs, critic values, old log-probs: concurrently.
@@ -177,13 +177,14 @@ def train(config: Config) -> dict:
         summary: dict = {"mlflow_run_id": state.tracker.run_id, "run_dir": layout_for(config).run_dir}
         if state.start_step:
             logger.info("resuming %s at step %d (latest checkpoint)", config.run.name, state.start_step + 1)
-        # Workers load their models while the rollout's engine starts for the first validation.
-        preparing = [state.submit(STAGE_TASKS[f"prepare_{role}"]) for role in prepared_roles(config)]
         if config.warm_start.steps > 0:
             # step 0. supervised warm-start (see components/sft.py for why); skipped when resumed
             warm = state.run(warm_start_task)
             state.log_metrics(warm, step=0)
             summary["val_reward_before_warm_start"] = warm["warm_start/val_reward_before"]
+        # Workers load their models (from the warm-start's output, if any) while the rollout's engine
+        # starts for the first validation.
+        preparing = [state.submit(STAGE_TASKS[f"prepare_{role}"]) for role in prepared_roles(config)]
         first = state.run(validate_task, 0)
         for pending in preparing:
             first |= state.wait(pending)

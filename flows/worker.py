@@ -13,6 +13,7 @@ storage (any fsspec URI) for workers on other hosts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -99,6 +100,22 @@ class Heartbeat:
 
     def running(self, task_run_id: str, stage: str, step) -> "_Running":
         return _Running(self, task_run_id, stage, step)
+
+    @contextlib.contextmanager
+    def preloading(self, modules) -> Iterator[None]:
+        """Not idle while it imports `modules` before serving: a stage queued for this worker meanwhile
+        is waiting for it, not lost (flows.dispatch takes a run for lost when a worker sits idle)."""
+        with self._lock:
+            self.state["idle_since"], self.state["preloading"] = None, list(modules)
+        self.write()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.state.pop("preloading", None)
+                if not self.state["running"]:
+                    self.state["idle_since"] = time.time()
+            self.write()
 
 
 class _Running:
@@ -310,7 +327,8 @@ def serve_role(role: str, devices: str, directory: str | None = None, preload=()
     CURRENT = Heartbeat(role, visible if devices != "cpu" else "cpu", directory or heartbeat_dir())
     CURRENT.start()
     try:
-        preload_modules(preload)
+        with CURRENT.preloading(preload):
+            preload_modules(preload)
         # One stage at a time: a role's model is not safe to use from two stages at once.
         serve(*[STAGE_TASKS[stage] for stage in ROLE_STAGES[role]], limit=1)
     finally:

@@ -76,7 +76,8 @@ def test_flow_with_vllm_rollout_keeps_logprobs_consistent(prefect_api, tmp_path,
 def test_a_vllm_rollout_worker_imports_vllm_before_its_first_stage(prefect_api, tmp_path, make_config):
     """`rlhf run` with workers passes --preload vllm to the rollout's worker: it imports vLLM while the
     driver sets up, then starts the engine in the environment a plain import would have left (the run
-    trains and the engine's log-probs match the actor's)."""
+    trains and the engine's log-probs match the actor's). The other workers prepare their models after
+    the warm-start, from its output."""
     from pathlib import Path
 
     from flows.launcher import using_prefect_api, worker_environment
@@ -86,6 +87,8 @@ def test_a_vllm_rollout_worker_imports_vllm_before_its_first_stage(prefect_api, 
     config = make_config(tmp_path, "vllm-workers", "e2e-vllm-workers",
                          rollout={"engine": "vllm", "n": 4, "max_new_tokens": 6, "kv_cache_gib": 0.5},
                          actor={"ppo_mini_batch_size": 8, "micro_batch_size": 8},
+                         # the actor's worker prepares its model from the warm-start's output: after it
+                         warm_start={"steps": 3, "batch_size": 8},
                          placement={"default": "cpu"},
                          trainer={"total_steps": 2, "val_every": 0, "device": "cpu", "execution": "workers"})
     log = Path(".rlhf/logs", config.run.name, "worker-rollout.log")  # appended to: start empty

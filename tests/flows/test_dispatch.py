@@ -100,3 +100,29 @@ def test_dispatch_seconds_run_from_submission_to_the_start_in_the_worker():
     assert stage.dispatch_s({"metrics": {}, "worker_started_at": 100.25}) == 0.25
     assert stage.dispatch_s({"metrics": {}, "worker_started_at": 99.9}) == 0.0  # clocks a little apart
     assert stage.dispatch_s({"metrics": {}}) is None  # a stage run in the driver's process
+
+
+def test_a_run_queued_while_its_worker_preloads_waits_then_counts_idle_time_from_the_end(tmp_path):
+    """A rollout worker imports vLLM before serving (`--preload vllm`, 15-20 s on a GPU host, more than
+    twice worker_timeout_s on a slow one): the validation queued for it meanwhile is not lost."""
+    import json
+
+    from flows.worker import Heartbeat
+
+    heartbeat = Heartbeat("reward", "cpu", str(tmp_path))
+
+    def written():
+        return json.loads((tmp_path / heartbeat.path.rsplit("/", 1)[-1]).read_text())
+
+    runs = tracker()  # submitted at 100
+    with heartbeat.preloading(["vllm"]):
+        during = written()
+        assert during["idle_since"] is None and during["preloading"] == ["vllm"]
+        assert runs.observe([{**during, "beat": 1000.0}], running=False, now=1000.0) == "waiting"
+    after = written()
+    assert "preloading" not in after and after["idle_since"] is not None
+    ended = after["idle_since"]
+    assert runs.observe([{**after, "beat": ended + 2 * TIMEOUT - 1}], running=False,
+                        now=ended + 2 * TIMEOUT - 1) == "waiting"
+    assert runs.observe([{**after, "beat": ended + 2 * TIMEOUT + 1}], running=False,
+                        now=ended + 2 * TIMEOUT + 1) == "lost"
