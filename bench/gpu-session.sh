@@ -116,18 +116,9 @@ for phase in "$@"; do
        update micro32 --micro-batch 32
        update compile-micro32 --micro-batch 32 --set model.compile=true
        update unfused --set model.fused_logprobs=false ;;
-    table) shared_prefect_server
-       export DEADLINE_S=${DEADLINE_S:-590}
-       steps=${STEPS:-2}
-       product_set=(); for item in ${PRODUCT_SET:-}; do product_set+=(--set "$item"); done  # as for phase t
-       { run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps" "${product_set[@]}"
-         run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps" "${product_set[@]}"; } & first=$!
-       run trl-grpo-1gpu 1 bench/trl_grpo.py --steps "$steps" & second=$!
-       wait $first $second
-       run grpo-2gpu-ahead 0,1 bench/step.py --algorithm grpo --gpus 2 --one-step-ahead --steps "$steps" \
-         "${product_set[@]}"
-       run grpo-2gpu 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps" "${product_set[@]}" ;;
-    t|t1|t2) shared_prefect_server
+    table|t|t1|t2) shared_prefect_server
+       # table: t within one call, each run bounded by what is left of DEADLINE_S
+       [ "$phase" = table ] && export DEADLINE_S=${DEADLINE_S:-590}
        steps=${STEPS:-2}
        # PRODUCT_SET="rollout.engines=2" (space-separated KEY=VALUE): config overrides for every product run
        product_set=(); for item in ${PRODUCT_SET:-}; do product_set+=(--set "$item"); done
