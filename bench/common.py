@@ -6,6 +6,9 @@
     markdown_table(rows, columns)      a GitHub table
     emit(result, path)                 print `RESULT {json}` and write the JSON to path
     make_random_model(dir, preset)     a random-weights bf16 model dir from components/tiny.py
+    digit_fraction(response_text)      the benchmarks' reward: the fraction of the response's characters that are digits
+    compare_weights(initial, final)    how far training moved the weights (changed fraction, mean |Δw|, RMS ratio)
+    SafetensorsWeights(folder)         a lazy name -> tensor mapping over a folder's safetensors (all shards)
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import shutil
 import socket
 import sys
 import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -151,7 +155,8 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
             return f"{value:.4g}"
         return str(value).replace("|", "\\|")
 
-    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+    header = [column.replace("|", "\\|") for column in columns]  # e.g. "mean |Δw|"
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
     lines += ["| " + " | ".join(cell(row.get(column)) for column in columns) + " |" for row in rows]
     return "\n".join(lines)
 
@@ -207,3 +212,107 @@ def make_random_model(preset_dir: str, preset: str = "qwen2.5-0.5b") -> Path:
         model.save_pretrained(out)
     marker.write_text(preset + "\n")
     return out
+
+
+def digit_fraction(response_text: str, ground_truth: str = "", data_source: str = "", extra_info: dict | None = None
+                   ) -> float:
+    """The fraction of the response's characters that are digits (the product's reward-function signature).
+
+    The reward of bench/step.py's product runs (`reward.function=bench.common:digit_fraction`), the same as
+    bench/trl_grpo.py's `digit_fraction_reward`. A random-weights model scores a few percent with a spread
+    across the samples of a group, so GRPO's advantages are not all zero and the policy moves; exact_match
+    against a fixed answer scores 0 for every sample: zero advantages, zero policy gradient, no update.
+    """
+    return sum(ch.isdigit() for ch in response_text) / max(len(response_text), 1)
+
+
+class SafetensorsWeights(Mapping):
+    """The tensors of a Hugging Face folder's safetensors files (one file or shards + index), read lazily.
+
+    A read-only mapping name -> tensor: each lookup reads that one tensor from disk, so a 3B model's 12 GB of
+    float32 weights never sit in memory at once. Files come from `model.safetensors.index.json` when the
+    folder has one, else every `*.safetensors` in it.
+    """
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(path.name for path in self.folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {self.folder}")
+        self._file_of: dict[str, Path] = {}
+        self.dtypes: dict[str, str] = {}
+        """Each tensor's stored dtype as safetensors spells it (F32, BF16, ...), read from the headers."""
+        for name in files:
+            with safe_open(self.folder / name, framework="pt", device="cpu") as handle:
+                for key in handle.keys():
+                    self._file_of[key] = self.folder / name
+                    self.dtypes[key] = handle.get_slice(key).get_dtype()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self._file_of[name], framework="pt", device="cpu") as handle:
+            return handle.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+
+def compare_weights(initial: Mapping[str, torch.Tensor], final: Mapping[str, torch.Tensor],
+                    chunk_elements: int = 1 << 24) -> dict:
+    """How far training moved the weights, over every tensor whose name is in both mappings.
+
+        weights_changed_fraction   #{i : w1_i != w0_i} / #elements
+        weights_mean_abs_delta     Σ |w1 - w0| / #elements
+        weights_rms_ratio          RMS(w1 - w0) / RMS(w0) = sqrt(Σ (w1 - w0)² / Σ w0²)
+
+    Both sides are compared in float32 on the CPU (a bf16 initial model is upcast exactly), one tensor at a
+    time and in chunks of `chunk_elements`, with float64 sums: memory stays at one tensor of each side
+    (lazy mappings such as `SafetensorsWeights` read it on lookup). Names in only one mapping are
+    listed, not compared: a checkpoint of a model with tied embeddings may omit `lm_head.weight`, and
+    `named_parameters()` lists a tied weight once. A tensor whose shapes differ is listed and skipped.
+    """
+    shared = [name for name in initial if name in final]
+    changed = elements = 0
+    abs_sum = delta_sq = initial_sq = 0.0
+    max_abs = 0.0
+    mismatched = []
+    for name in shared:
+        before, after = initial[name], final[name]  # one read each from a lazy mapping
+        if before.shape != after.shape:
+            mismatched.append(name)
+            continue
+        before = before.detach().to("cpu", torch.float32).reshape(-1)
+        after = after.detach().to("cpu", torch.float32).reshape(-1)
+        for start in range(0, before.numel(), chunk_elements):
+            old, new = before[start:start + chunk_elements], after[start:start + chunk_elements]
+            delta = new - old
+            changed += int(torch.count_nonzero(new != old))
+            abs_delta = delta.abs()
+            abs_sum += float(abs_delta.sum(dtype=torch.float64))
+            max_abs = max(max_abs, float(abs_delta.max()))
+            delta_sq += float(delta.double().square().sum())
+            initial_sq += float(old.double().square().sum())
+        elements += before.numel()
+        del before, after
+    return {
+        "weights_changed_fraction": changed / elements if elements else None,
+        "weights_mean_abs_delta": abs_sum / elements if elements else None,
+        "weights_rms_ratio": (delta_sq / initial_sq) ** 0.5 if initial_sq > 0 else None,
+        "weights_max_abs_delta": max_abs if elements else None,
+        "weights_compared_tensors": len(shared) - len(mismatched),
+        "weights_compared_elements": elements,
+        "weights_changed_elements": changed,
+        "weights_only_initial": sorted(name for name in initial if name not in final),
+        "weights_only_final": sorted(name for name in final if name not in initial),
+        "weights_shape_mismatch": mismatched,
+    }

@@ -1,5 +1,15 @@
 #!/usr/bin/env bash
-# The GPU benchmarks of bench/README.md on one 2-GPU host (e.g. nvidia-h200-x2), in phases:
+# The GPU benchmarks of bench/README.md on one 2-GPU host (e.g. nvidia-h200-x2), in phases (`one` and `big` need
+# one GPU only: nvidia-h200):
+#   bash bench/gpu-session.sh one      one H200, GPU 0, back to back: product GRPO, TRL GRPO, product PPO (0.5B shape,
+#                                      STEPS measured steps, default 2), each bounded by what is left of DEADLINE_S
+#                                      (default 590 s from the script's start); shared Prefect server; PRODUCT_SET as
+#                                      for phase t
+#   bash bench/gpu-session.sh big      one H200, GPU 0: product GRPO at the Qwen2.5-1.5B shape, then at the 3B shape
+#                                      (grpo-1gpu-1.5b.json, grpo-1gpu-3b.json; models built here in bf16 under
+#                                      /tmp/rlhf-bench-models/<preset>), bounded by DEADLINE_S as `one`;
+#                                      BIG_PRESETS="3b" runs one of them (e.g. when both do not fit one call);
+#                                      PRODUCT_SET="model.gradient_checkpointing=true" if 3B runs out of GPU memory
 #   bash bench/gpu-session.sh 1 2      phase 1: product GRPO on GPU 0  |  TRL GRPO on GPU 1   (side by side)
 #                                      phase 2: product PPO on GPU 0   |  bench/rollout.py on GPU 1
 #   bash bench/gpu-session.sh 3        phase 3: product GRPO, rollout on GPU 0 and training on GPU 1
@@ -67,10 +77,26 @@ shared_prefect_server() {  # one Prefect server for every run of the session (sa
   "$PY" -c "from flows.launcher import wait_until_healthy; wait_until_healthy('${PREFECT_API_URL%/}', None)"
   echo "== $(date +%T) (+$((SECONDS - STARTED)) s) shared Prefect server at $PREFECT_API_URL"
 }
-case " $* " in *" table "*|*" t "*|*" t1 "*|*" t2 "*|*" s1 "*|*" ae "*|*" pe "*|*" te "*) shared_prefect_server start ;; esac
-"$PY" -c "from bench.common import make_random_model; print(make_random_model('$MODEL'))"
+case " $* " in *" table "*|*" t "*|*" t1 "*|*" t2 "*|*" s1 "*|*" ae "*|*" pe "*|*" te "*|*" one "*|*" big "*)
+  shared_prefect_server start ;; esac
+case " $* " in
+  " big ") ;;  # builds its own models (1.5B, 3B), not the 0.5B one
+  *) "$PY" -c "from bench.common import make_random_model; print(make_random_model('$MODEL'))" ;;
+esac
 
-run() {  # run NAME GPUS COMMAND...: log to $OUT/NAME.log, keep the JSON in $OUT/NAME.json
+build_model() {  # build_model PRESET: a random bf16 model of a components/tiny.py preset in /tmp/rlhf-bench-models/PRESET
+  local preset=$1 dir=/tmp/rlhf-bench-models/$1
+  if [ -n "${DEADLINE_S:-}" ] && [ $((DEADLINE_S - (SECONDS - STARTED))) -lt 150 ]; then
+    echo "== model $preset not built: $((SECONDS - STARTED)) s of DEADLINE_S=$DEADLINE_S used"; return 1
+  fi
+  echo "== $(date +%T) (+$((SECONDS - STARTED)) s) model $preset -> $dir"
+  "$PY" -c "from bench.common import make_random_model; print(make_random_model('$dir', '$preset'))" \
+    > "$LOGS/model-$preset.log" 2>&1 || { tail -20 "$LOGS/model-$preset.log"; return 1; }
+  echo "== $(date +%T) (+$((SECONDS - STARTED)) s) model $preset ready ($(du -sh "$dir" | cut -f1))"
+}
+
+run() {  # run NAME GPUS COMMAND...: log to $OUT/NAME.log, keep the JSON in $OUT/NAME.json; MODEL=DIR run ... for
+         # another model dir than the 0.5B one (--model-dir "$MODEL" is passed to every command)
   local name=$1 gpus=$2; shift 2
   local limit=${RUN_TIMEOUT:-560}
   if [ -n "${DEADLINE_S:-}" ]; then  # what is left of the call's time, less 10 s to pack the logs
@@ -89,6 +115,29 @@ run() {  # run NAME GPUS COMMAND...: log to $OUT/NAME.log, keep the JSON in $OUT
 
 for phase in "$@"; do
   case $phase in
+    one) shared_prefect_server  # one H200: the three 0.5B rows of the table, back to back on GPU 0
+       export DEADLINE_S=${DEADLINE_S:-590}
+       steps=${STEPS:-2}
+       product_set=(); for item in ${PRODUCT_SET:-}; do product_set+=(--set "$item"); done
+       run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps" "${product_set[@]}"
+       run trl-grpo-1gpu 0 bench/trl_grpo.py --steps "$steps"
+       run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps" "${product_set[@]}" ;;
+    big) shared_prefect_server  # one H200: product GRPO at the 1.5B, then the 3B shape, on GPU 0
+       export DEADLINE_S=${DEADLINE_S:-590}
+       steps=${STEPS:-2}
+       product_set=(); for item in ${PRODUCT_SET:-}; do product_set+=(--set "$item"); done
+       for size in ${BIG_PRESETS:-1.5b 3b}; do
+         preset=qwen2.5-$size
+         # Disk (64 GiB here): a 3B run's folder holds ~50 GB (fp32 checkpoint with Adam state 36 GB, bf16 weight
+         # copies 6 GB each). bench/step.py deletes it at its end; a run killed at the deadline cannot, so remove
+         # what such a run left (the runs of this phase go one at a time). keep_weights=2: two weight copies.
+         rm -rf /tmp/rlhf-bench-step-*
+         build_model "$preset" || continue
+         echo "== disk: $(df -h /tmp | tail -1)"
+         MODEL=/tmp/rlhf-bench-models/$preset run "grpo-1gpu-$size" 0 bench/step.py --algorithm grpo --gpus 1 \
+           --preset "$preset" --steps "$steps" --set trainer.keep_weights=2 "${product_set[@]}"
+       done
+       rm -rf /tmp/rlhf-bench-step-* ;;
     1) run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 &
        run trl-grpo-1gpu 1 bench/trl_grpo.py &
        wait ;;
@@ -184,5 +233,6 @@ for phase in "$@"; do
 done
 pack_logs
 rm -rf "$LOGS"
-results=$(ls "$OUT"/*gpu.json "$OUT"/*gpu-ahead.json "$OUT"/*gpu-unfused.json "$OUT"/*gpu*-engines2.json 2>/dev/null)
+results=$(ls "$OUT"/*gpu.json "$OUT"/*gpu-ahead.json "$OUT"/*gpu-unfused.json "$OUT"/*gpu*-engines2.json \
+  "$OUT"/*gpu-*b.json 2>/dev/null)
 [ -n "$results" ] && "$PY" bench/step.py --table $results

@@ -1,11 +1,20 @@
 """Baseline: TRL's GRPOTrainer (trl 1.16.0) with vLLM colocated, on a Qwen2.5-0.5B-shaped random bf16 model.
 
+Precision: by default (--train-dtype float32) the trained model holds float32 parameters and optimizer state and
+computes under bf16 autocast (`bf16=True`), which is TRL's own default and the same fidelity as the product's
+fp32 master weights with bf16 compute (bench/step.py). --train-dtype bfloat16 trains bf16 parameters directly.
+
 Every training step generates prompts × n fresh completions with the in-process vLLM engine, scores them,
 and takes exactly one optimizer step over them (micro-batches of --micro-batch, gradients accumulated).
 Prompts are exactly --prompt-tokens tokens and completions exactly --response-tokens tokens (vLLM
 `min_tokens` = `max_tokens` and `ignore_eos`), so every step does the same work. Wall seconds per step
 are taken from a TrainerCallback (on_step_begin → on_step_end, CUDA synchronized); the first --warmup
 steps are dropped.
+
+How far training moved the weights: the trainable parameters are copied to the CPU in float32 after the
+trainer's init, right before `trainer.train()`, and compared with the trained ones afterwards
+(bench.common.compare_weights: `weights_changed_fraction`, `weights_mean_abs_delta`, `weights_rms_ratio`). The
+change spans every optimizer step, the --warmup ones included, as bench/step.py's comparison does.
 
     python bench/trl_grpo.py --out bench/results/trl_grpo.json          # the GPU baseline (defaults)
     python bench/trl_grpo.py --device cpu --preset tiny --prompts 2 --n 2 --prompt-tokens 8 \\
@@ -46,9 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                         help="vLLM's share of the device memory (of CPU memory with --device cpu)")
-    parser.add_argument("--train-dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                        help="parameter dtype of the trained model (TRL's own default is float32 weights under "
-                             "bf16 autocast; bfloat16 matches the repo's GPU configs)")
+    parser.add_argument("--train-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="parameter (and optimizer state) dtype of the trained model. float32 (default): TRL's "
+                             "own default, float32 weights computing under bf16 autocast (bf16=True), the fidelity "
+                             "of the product's fp32 master weights; bfloat16: pure bf16 training, which loses AdamW "
+                             "updates below half a bf16 ulp")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: TrainingArguments(use_cpu=True) and vLLM's CPU backend, for smoke tests")
     parser.add_argument("--no-matmul", action="store_true", help="skip the bf16 matmul TFLOP/s measurement")
@@ -205,8 +216,8 @@ def main(argv=None) -> dict:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")
 
     import torch
-    from common import (emit, forward_flops_per_token, machine_info, make_random_model, markdown_table,
-                        measure_bf16_matmul_tflops, package_version, train_flops_per_token)
+    from common import (compare_weights, emit, forward_flops_per_token, machine_info, make_random_model,
+                        markdown_table, measure_bf16_matmul_tflops, package_version, train_flops_per_token)
 
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: use --device cpu for a smoke test")
@@ -293,9 +304,26 @@ def main(argv=None) -> dict:
         weight_sync = "skipped (vLLM CPU backend cannot reload weights in place)"
     _instrument(trainer, phase, sync)
 
+    # The weights before any optimizer step, on the CPU in float32 (copy=True: on the CPU `.to` could return
+    # the live parameter itself). Taken here, after the trainer's init and before train(), so the comparison
+    # spans all warmup + steps optimizer steps, warm-up included -- as bench/step.py compares the initial
+    # model with its checkpoint after the last of its warmup + steps steps.
+    t_snapshot = time.perf_counter()
+    initial_weights = {name: parameter.detach().to("cpu", torch.float32, copy=True)
+                       for name, parameter in trainer.model.named_parameters() if parameter.requires_grad}
+    weights_snapshot_s = time.perf_counter() - t_snapshot
+
     t2 = time.perf_counter()
     trainer.train()
     train_wall_s = time.perf_counter() - t2
+
+    t_compare = time.perf_counter()
+    weight_change = compare_weights(
+        initial_weights, {name: parameter for name, parameter in trainer.model.named_parameters()
+                          if parameter.requires_grad})
+    del initial_weights
+    weight_change["weights_compare_s"] = time.perf_counter() - t_compare
+    weight_change["weights_snapshot_s"] = weights_snapshot_s
 
     measured = [r for r in records if not r["warmup"]]
     if len(measured) != args.steps:
@@ -362,6 +390,7 @@ def main(argv=None) -> dict:
         "dist_env": dist_env,
         "weight_sync": weight_sync,
         "machine": machine_info(),
+        **weight_change,
     }
     update_s = result["phases_mean_s"]["update_s"]
     if update_s:
@@ -374,7 +403,10 @@ def main(argv=None) -> dict:
            "gen+score s": result["phases_mean_s"]["generate_and_score_s"],
            "update s": update_s, "update TFLOP/s": result["update_tflops_per_s"],
            "peak alloc GiB": result["peak_gpu_mem_allocated_gib"],
-           "device used GiB": result["peak_device_used_gib"], "lengths ok": lengths_ok}
+           "device used GiB": result["peak_device_used_gib"], "lengths ok": lengths_ok,
+           "weights changed": weight_change["weights_changed_fraction"],
+           "mean |Δw|": weight_change["weights_mean_abs_delta"],
+           "weights RMS ratio": weight_change["weights_rms_ratio"]}
     print()
     print(f"TRL {result['trl_version']} GRPO, vLLM colocate, {args.prompts} prompts × {args.n} × "
           f"({args.prompt_tokens}+{args.response_tokens}) tokens, micro-batch {args.micro_batch}, "

@@ -16,6 +16,7 @@ from components.algorithms import aggregate_loss, get_policy_loss, kl_loss, logp
 from components.algorithms.fused import logprobs_and_entropy
 from components.batch import PaddingPlan, SequenceBatch, micro_batches, model_logits, pad_responses
 from components.models import load_causal_lm, load_tokenizer
+from components.precision import Precision, prepare_trained_model
 from components.training import Updater, device_rows, micro_rows, to_device
 
 
@@ -74,10 +75,15 @@ class Actor:
         self.updater = Updater(model, self.config, seed)
 
     @classmethod
-    def from_pretrained(cls, path: str, config=None, *, dtype="float32", device="auto",
-                        attn_implementation="auto", trust_remote_code=False, temperature=1.0, seed=0, fused=True):
-        model = load_causal_lm(path, dtype=dtype, device=device, attn_implementation=attn_implementation,
-                               trust_remote_code=trust_remote_code)
+    def from_pretrained(cls, path: str, config=None, *, dtype="float32", master_dtype="float32", device="auto",
+                        attn_implementation="auto", trust_remote_code=False, temperature=1.0, seed=0, fused=True,
+                        gradient_checkpointing=False):
+        """dtype: the compute dtype; master_dtype: the parameters' and optimizer state's (components.precision:
+        float32 masters computing in bf16 under autocast, or FSDP2's mixed precision when sharded)."""
+        precision = Precision.of(dtype, master_dtype)
+        model = load_causal_lm(path, dtype=precision.master, compute_dtype=precision.compute, device=device,
+                               attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+        prepare_trained_model(model, precision, gradient_checkpointing)
         tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
         return cls(model, tokenizer, config, temperature=temperature, seed=seed, fused=fused)
 

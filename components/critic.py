@@ -11,6 +11,7 @@ import torch
 from components.algorithms import value_loss
 from components.batch import PaddingPlan, SequenceBatch, micro_batches, pad_responses
 from components.models import load_pretrained
+from components.precision import Precision, prepare_trained_model
 from components.training import Updater, device_rows, micro_rows, to_device
 
 
@@ -31,8 +32,9 @@ class Critic:
         self.updater = Updater(model, self.config, seed)
 
     @classmethod
-    def from_pretrained(cls, path: str, config=None, *, dtype="float32", device="auto",
-                        attn_implementation="auto", trust_remote_code=False, seed=0):
+    def from_pretrained(cls, path: str, config=None, *, dtype="float32", master_dtype="float32", device="auto",
+                        attn_implementation="auto", trust_remote_code=False, seed=0, gradient_checkpointing=False):
+        """dtype: the compute dtype; master_dtype: the parameters' and optimizer state's (as for the actor)."""
         from transformers import AutoConfig, AutoModelForTokenClassification
 
         from components.models import model_source
@@ -42,9 +44,12 @@ class Critic:
         model_config = AutoConfig.from_pretrained(model_source(path), trust_remote_code=trust_remote_code,
                                                   num_labels=1)
         model_config.classifier_dropout = 0.0  # transformers 5 drops it when given as a kwarg
-        model = load_pretrained(AutoModelForTokenClassification, path, dtype=dtype, device=device,
+        precision = Precision.of(dtype, master_dtype)
+        model = load_pretrained(AutoModelForTokenClassification, path, dtype=precision.master,
+                                compute_dtype=precision.compute, device=device,
                                 attn_implementation=attn_implementation,
                                 trust_remote_code=trust_remote_code, config=model_config)
+        prepare_trained_model(model, precision, gradient_checkpointing)
         return cls(model, config, seed=seed)
 
     @property

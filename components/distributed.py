@@ -44,14 +44,16 @@ def init_from_environment() -> None:
     _COMMANDS = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2: shard each decoder layer, then the rest (embeddings, head) as one unit."""
+def shard_model(model: torch.nn.Module, mp_policy=None) -> torch.nn.Module:
+    """FSDP2: shard each decoder layer, then the rest (embeddings, head) as one unit; `mp_policy` (a
+    MixedPrecisionPolicy) casts the gathered weights for compute and reduces gradients in its dtype."""
     from torch.distributed.fsdp import fully_shard
 
+    options = {} if mp_policy is None else {"mp_policy": mp_policy}
     backbone = getattr(model, "model", model)
     for layer in getattr(backbone, "layers", []):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
     return model
 
 

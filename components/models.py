@@ -27,7 +27,7 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise ValueError(f"model.dtype={name!r} is not one of: {', '.join(DTYPES)}")
+        raise ValueError(f"model.compute_dtype={name!r} is not one of: {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
@@ -79,16 +79,21 @@ def load_pretrained(
     device: str | torch.device = "auto",
     attn_implementation: str = "auto",
     trust_remote_code: bool = False,
+    compute_dtype: str | torch.dtype | None = None,
     **kwargs,
 ):
-    """`auto_class.from_pretrained` on the chosen device, dtype and attention kernel."""
+    """`auto_class.from_pretrained` on the chosen device, dtype and attention kernel.
+
+    `dtype` is the parameters' dtype; `compute_dtype` (default: the same) the one attention runs in, which
+    decides whether flash-attn applies (fp32 master weights computing in bf16 under autocast can use it)."""
     check_model_source(path)
     device = resolve_device(device) if isinstance(device, str) else device
     torch_dtype = resolve_dtype(dtype)
+    attention_dtype = torch_dtype if compute_dtype is None else resolve_dtype(compute_dtype)
     model = auto_class.from_pretrained(
         model_source(path),
         dtype=torch_dtype,
-        attn_implementation=resolve_attn_implementation(attn_implementation, device, torch_dtype),
+        attn_implementation=resolve_attn_implementation(attn_implementation, device, attention_dtype),
         trust_remote_code=trust_remote_code,
         **kwargs,
     )

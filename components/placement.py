@@ -21,8 +21,7 @@ ROLES = ("rollout", "actor", "critic", "reference", "reward")
 TRAINABLE_ROLES = ("actor", "critic")
 GIB = 1024**3
 WORKSPACE_BYTES = 1 * GIB
-ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
-MASTER_COPY_BYTES = 4  # fp32 master weights when training in a 16-bit dtype
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 Assignment = list[int] | Literal["cpu"]
 
 
@@ -107,32 +106,44 @@ class PlacementReport:
 # --- memory estimates ------------------------------------------------------------------------------
 
 
-def estimate_role_bytes(num_parameters: int, dtype_bytes: int, trainable: bool) -> int:
-    """Bytes one copy of a role needs on its device (P = parameters, d = dtype_bytes):
+def estimate_role_bytes(num_parameters: int, compute_bytes: int, trainable: bool, master_bytes: int = 4) -> int:
+    """Bytes one copy of a role needs on its device (P = parameters, c = compute_bytes, m = master_bytes):
 
-        inference: P*d (weights) + 1 GiB (activations and workspace)
-        training:  P*d (weights) + P*d (gradients) + 8*P (AdamW's two fp32 moments)
-                   + 4*P (fp32 master weights, only when d < 4) + 1 GiB
+        inference: P*c (weights in the compute dtype) + 1 GiB (activations and workspace)
+        training:  4*P*m (master weights, gradients and AdamW's two moments, all in the master dtype)
+                   + P*c (the compute copy of the weights, when c < m: autocast's casts, or FSDP's
+                   gathered 16-bit weights) + 1 GiB
 
-    E.g. 0.5e9 parameters in bf16, trained: 1e9 + 1e9 + 4e9 + 2e9 bytes + 1 GiB = 8 GB + 1 GiB.
+    E.g. 0.5e9 parameters trained with fp32 masters and bf16 compute: 16 bytes + 2 bytes per parameter
+    = 9e9 bytes + 1 GiB; in pure bf16 (m = c = 2): 8 bytes per parameter = 4e9 bytes + 1 GiB.
     Activations of long sequences, the KV cache of generation and fragmentation are not included:
     the placement's memory_margin_gib covers them. Rollout engines that reserve a fraction of the
     GPU (vLLM) are budgeted by their caller.
     """
-    if num_parameters < 0 or dtype_bytes <= 0:
-        raise ValueError(f"estimate_role_bytes: num_parameters={num_parameters}, dtype_bytes={dtype_bytes}; "
-                         "need num_parameters >= 0 and dtype_bytes > 0")
-    weights = num_parameters * dtype_bytes
+    if num_parameters < 0 or compute_bytes <= 0 or master_bytes <= 0:
+        raise ValueError(f"estimate_role_bytes: num_parameters={num_parameters}, compute_bytes={compute_bytes}, "
+                         f"master_bytes={master_bytes}; need num_parameters >= 0 and positive byte sizes")
     if not trainable:
-        return weights + WORKSPACE_BYTES
-    master = num_parameters * MASTER_COPY_BYTES if dtype_bytes < 4 else 0
-    return weights + weights + num_parameters * ADAM_STATE_BYTES + master + WORKSPACE_BYTES
+        return num_parameters * compute_bytes + WORKSPACE_BYTES
+    compute_copy = num_parameters * compute_bytes if compute_bytes < master_bytes else 0
+    return 4 * num_parameters * master_bytes + compute_copy + WORKSPACE_BYTES
 
 
-def role_requirements(num_parameters: Mapping[str, int], dtype_bytes: int,
+def describe_memory_basis(compute_bytes: int, master_bytes: int) -> str:
+    """The estimate's rule in one line (doctor prints it beside the numbers)."""
+    names = {4: "fp32", 2: "16-bit"}
+    trained = (f"{4 * master_bytes} bytes per parameter ({names[master_bytes]} weights, gradients and two AdamW "
+               "moments)")
+    if compute_bytes < master_bytes:
+        trained += f" + {compute_bytes} ({names[compute_bytes]} compute copy)"
+    return (f"estimates: trained roles {trained}, other roles {compute_bytes} bytes per parameter, each + 1 GiB "
+            "workspace; activations and the KV cache are left to memory_margin_gib")
+
+
+def role_requirements(num_parameters: Mapping[str, int], compute_bytes: int,
                       assignments: Mapping[str, Assignment] | None = None,
-                      trainable_roles: Sequence[str] = TRAINABLE_ROLES) -> dict[str, int]:
-    """Bytes each GPU of a role must hold, per role in `num_parameters`.
+                      trainable_roles: Sequence[str] = TRAINABLE_ROLES, master_bytes: int = 4) -> dict[str, int]:
+    """Bytes each GPU of a role must hold, per role in `num_parameters` (see estimate_role_bytes).
 
     A trainable role spread over n GPUs is taken as fully sharded (FSDP): its weights, gradients
     and optimizer states divide by n, the 1 GiB workspace does not. Other roles hold a whole copy
@@ -143,7 +154,7 @@ def role_requirements(num_parameters: Mapping[str, int], dtype_bytes: int,
         trainable = role in trainable_roles
         assignment = (assignments or {}).get(role, "cpu")
         shards = len(assignment) if trainable and assignment != "cpu" and assignment else 1
-        state = estimate_role_bytes(parameters, dtype_bytes, trainable) - WORKSPACE_BYTES
+        state = estimate_role_bytes(parameters, compute_bytes, trainable, master_bytes) - WORKSPACE_BYTES
         requirements[role] = -(-state // shards) + WORKSPACE_BYTES
     return requirements
 

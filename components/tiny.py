@@ -56,13 +56,17 @@ class TinyModelSpec:
 
 PRESETS: dict[str, TinyModelSpec] = {
     "tiny": TinyModelSpec(),
-    # The shapes of Qwen2.5-0.5B and -1.5B (random weights, byte-level tokenizer), for GPU work.
+    # The shapes of Qwen2.5-0.5B, -1.5B and -3B (random weights, byte-level tokenizer), for GPU work. All three
+    # tie the LM head to the embedding, as tiny_config does for every preset.
     "qwen2.5-0.5b": TinyModelSpec(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                                   num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=32768,
                                   vocab_size=151936),
     "qwen2.5-1.5b": TinyModelSpec(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                                   num_key_value_heads=2, intermediate_size=8960, max_position_embeddings=32768,
                                   vocab_size=151936),
+    "qwen2.5-3b": TinyModelSpec(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
+                                num_key_value_heads=2, intermediate_size=11008, max_position_embeddings=32768,
+                                vocab_size=151936),
 }
 
 

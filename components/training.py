@@ -14,7 +14,8 @@ from typing import Callable
 
 import torch
 
-from components.distributed import local_rows, scalar, world_size
+from components.distributed import is_distributed, local_rows, scalar, world_size
+from components.precision import parameter_change_ratio
 
 
 def make_optimizer(model: torch.nn.Module, optim_config) -> tuple[torch.optim.Optimizer, object]:
@@ -65,7 +66,8 @@ def run_updates(
     equal those of the whole mini-batch. `row_lengths[B]` (real tokens per row), when given, orders each
     mini-batch's rows by length before it is split, so that micro-batches hold rows of similar length
     (the gradient is the same: it is accumulated over the mini-batch). Returns metrics averaged over micro-batches, plus
-    `<prefix>/grad_norm`, `<prefix>/lr` (the rate the last step used) and `<prefix>/skipped_steps`.
+    `<prefix>/grad_norm` and `<prefix>/update_rms_ratio` (the parameters' relative change, update_rms_ratio;
+    both averaged over optimizer steps), `<prefix>/lr` (the rate the last step used) and `<prefix>/skipped_steps`.
     """
     row_weights = torch.ones(batch_size) if row_weights is None else row_weights.float()
     model.train()
@@ -100,15 +102,34 @@ def run_updates(
                 skipped += 1
                 continue
             last_lr = optimizer.param_groups[0]["lr"]
+            parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+            before = [parameter.detach().clone() for parameter in parameters]
             optimizer.step()
             scheduler.step()
+            sums[f"{prefix}/update_rms_ratio"] = sums[f"{prefix}/update_rms_ratio"] + update_rms_ratio(parameters, before)
+            del before
+            counts[f"{prefix}/update_rms_ratio"] += 1
             sums[f"{prefix}/grad_norm"] += grad_norm
             counts[f"{prefix}/grad_norm"] += 1
     model.eval()
     result = {name: float(sums[name]) / counts[name] for name in sums}  # the update's one read of its metrics
+    result.setdefault(f"{prefix}/update_rms_ratio", 0.0)  # every step skipped: nothing moved
     result[f"{prefix}/lr"] = last_lr
     result[f"{prefix}/skipped_steps"] = float(skipped)
     return result
+
+
+def update_rms_ratio(parameters: list[torch.Tensor], before: list[torch.Tensor]) -> torch.Tensor:
+    """RMS(change) / RMS(parameters) of one optimizer step, a 0-d tensor on the device (no sync).
+
+    sqrt(sum (p - p_before)^2 / sum p^2) over every trained parameter (the element counts cancel); over all
+    ranks when sharded. A policy whose updates vanish (pure-bf16 AdamW at a small learning rate) shows 0."""
+    change, size = parameter_change_ratio(parameters, before)
+    if is_distributed():
+        totals = torch.stack([change, size])
+        torch.distributed.all_reduce(totals)
+        change, size = totals[0], totals[1]
+    return (change / size.clamp(min=1e-30)).sqrt()
 
 
 def to_device(device: torch.device, *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:

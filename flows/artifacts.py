@@ -8,7 +8,8 @@ import re
 from flows.config import Config
 
 TABLE_METRICS = ("critic/score/mean", "val/reward/mean", "actor/ppo_kl", "actor/pg_loss", "actor/entropy",
-                 "critic/vf_loss", "response_length/mean", "timing_s/gen", "timing_s/step", "perf/throughput")
+                 "critic/vf_loss", "actor/update_rms_ratio", "critic/update_rms_ratio", "response_length/mean",
+                 "timing_s/gen", "timing_s/step", "perf/throughput")
 
 
 def artifact_key(config: Config, suffix: str) -> str:
@@ -41,7 +42,8 @@ class PrefectArtifacts:
     def step_done(self, step: int, metrics: dict[str, float]) -> None:
         from prefect.artifacts import create_table_artifact, update_progress_artifact
 
-        self.rows.append({"step": step, **{name: round(metrics[name], 5) for name in TABLE_METRICS
+        # Five significant digits, not decimals: an update ratio of 3e-6 must not read 0.
+        self.rows.append({"step": step, **{name: float(f"{metrics[name]:.5g}") for name in TABLE_METRICS
                                            if name in metrics}})
         total = self.config.trainer.total_steps
         try:

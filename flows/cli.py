@@ -213,10 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("overrides", nargs="*", help=overrides_help)
     show.set_defaults(handler=cmd_config_show)
 
+    from components.tiny import PRESETS
+
     tiny = commands.add_parser("make-tiny-model", help="write a random tiny Qwen2 model and tokenizer",
                                description="example: rlhf make-tiny-model .rlhf/models/tiny-qwen2")
     tiny.add_argument("output_dir")
-    tiny.add_argument("--preset", default="tiny", choices=["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"],
+    tiny.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                       help="model shape: tiny (CPU tests) or the shape of a Qwen2.5 model (GPU work)")
     tiny.set_defaults(handler=cmd_make_tiny_model)
 

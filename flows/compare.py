@@ -25,6 +25,7 @@ MAX_RUNS = 10
 DEFAULT_METRICS: tuple[str, ...] = (
     "critic/score/mean", "val/reward/mean", "actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty",
     "response_length/mean", "timing_s/step", "perf/throughput", "actor/pg_loss", "actor/entropy",
+    "actor/update_rms_ratio", "critic/update_rms_ratio",
 )
 # Which value is "best", by the first fragment of the metric key that matches (kl before reward, so
 # that actor/reward_kl_penalty counts as a KL). Metrics matching none (length, entropy) have no best.
@@ -242,6 +243,8 @@ def plot_group(metric: str) -> str | None:
         return "response length"
     if "score" in metric or "reward" in metric:
         return "reward"
+    if metric.endswith("/update_rms_ratio"):  # a run whose updates vanish is flat at 0 here
+        return "update size (RMS of the change / RMS of the weights)"
     return None if metric in DEFAULT_METRICS else metric
 
 

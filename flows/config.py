@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from components.placement import PlacementConfig
 
@@ -45,8 +45,20 @@ class RunConfig(Section):
 class ModelConfig(Section):
     path: str = ".rlhf/models/tiny-qwen2"
     """Hugging Face hub name or local folder of the policy to train."""
-    dtype: Dtype = "float32"
-    """Parameter dtype for every role's model."""
+    compute_dtype: Dtype = Field("float32", validation_alias=AliasChoices("compute_dtype", "dtype"))
+    """The dtype every model computes in (forward and backward): the rollout engine, reference and reward model
+    hold their weights in it, and the actor's published weights and exports are cast to it. `dtype` is accepted
+    as its old name."""
+    master_dtype: Dtype = "float32"
+    """The dtype of the trained roles' (actor, critic, warm-start) parameters, gradients and optimizer state.
+    float32 (default; verl's FSDP mixed precision): fp32 master weights, forward and backward in compute_dtype
+    under torch.autocast (FSDP2 MixedPrecisionPolicy when sharded, gradients reduced in fp32). Equal to a 16-bit
+    compute_dtype: pure 16-bit training, half the memory, but every AdamW step smaller than half a bf16 ulp of
+    its weight (|w| 0.02 -> 6e-5, far above the 1e-6 learning rates of RL) rounds away: a run warns."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass of the trained roles (actor,
+    critic, warm-start) instead of storing them: less memory for longer sequences or larger micro-batches,
+    about a third more update time."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     """auto: flash-attn when installed and on a GPU, else PyTorch SDPA."""
     fused_logprobs: bool = True
@@ -338,12 +350,28 @@ class Config(Section):
         if self.rollout.engines > 1 and self.rollout.engine == "hf":
             raise ValueError(f"rollout.engines={self.rollout.engines}: several engines are vLLM engines; use "
                              "rollout.engine=vllm or auto, or rollout.engines=1")
+        if self.model.master_dtype not in ("float32", self.model.compute_dtype):
+            pure = ("" if self.model.compute_dtype == "float32" else
+                    f", or {self.model.compute_dtype} for pure {self.model.compute_dtype} training")
+            raise ValueError(f"model.master_dtype={self.model.master_dtype!r} with model.compute_dtype="
+                             f"{self.model.compute_dtype!r}: master weights are float32 or the compute dtype; use "
+                             f"float32 (fp32 master weights, the default){pure}")
         if self.actor.micro_batch_size > self.actor.ppo_mini_batch_size:
             raise ValueError(
                 f"actor.micro_batch_size={self.actor.micro_batch_size} must be <= "
                 f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size}"
             )
         return self
+
+    @property
+    def precision_warning(self) -> str | None:
+        """One line when the trained roles train in pure 16-bit (model.master_dtype = a 16-bit compute_dtype)."""
+        if self.model.master_dtype == "float32":
+            return None
+        return (f"warning: model.master_dtype={self.model.master_dtype}: the actor and critic train in pure "
+                f"{self.model.master_dtype}, and AdamW updates below its resolution (about 6e-5 for a weight of "
+                "0.02) are lost; at RL learning rates (1e-6) most of them. model.master_dtype=float32 keeps fp32 "
+                "master weights")
 
     @property
     def uses_critic(self) -> bool:

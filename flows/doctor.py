@@ -20,8 +20,10 @@ from typing import Any, Mapping
 
 from components.devices import Inventory, inventory_from_system
 from components.placement import (
+    DTYPE_BYTES,
     GIB,
     PlacementConfig,
+    describe_memory_basis,
     describe_visible,
     resolve_assignments,
     role_requirements,
@@ -36,7 +38,6 @@ PACKAGES = {"torch": ("torch",), "transformers": ("transformers",), "vllm": ("vl
 HTTP_TIMEOUT_S = 3.0
 DEFAULT_STORAGE_ROOT = ".rlhf/runs"
 DEFAULT_TRACKING_URI = "sqlite:///.rlhf/mlflow.db"
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MARKERS = {"ok": "ok  ", "fail": "FAIL", "warn": "warn", "skip": "skip"}
 
 
@@ -208,7 +209,8 @@ def check_placement(config, inventory: Inventory, env: Mapping[str, str]) -> dic
 
     modelless = modelless_roles(config)
     assignments = resolve_assignments(placement, len(inventory.gpus), roles, modelless)
-    requirements = role_requirements(counts, DTYPE_BYTES[config.model.dtype], assignments)
+    requirements = role_requirements(counts, DTYPE_BYTES[config.model.compute_dtype], assignments,
+                             master_bytes=DTYPE_BYTES[config.model.master_dtype])
     verdict = validate_placement(placement, inventory, requirements, env=env, roles_in_use=roles,
                                  modelless_roles=modelless)
     execution = getattr(config.trainer, "execution", "workers")
@@ -220,6 +222,8 @@ def check_placement(config, inventory: Inventory, env: Mapping[str, str]) -> dic
                   "the placement applies with trainer.execution=workers)"
     return _check(status, detail, applies=applies, roles_in_use=roles, assignments=verdict.assignments, parameters=counts,
                   requirements_gib={role: round(size / GIB, 2) for role, size in requirements.items()},
+                  memory_basis=describe_memory_basis(DTYPE_BYTES[config.model.compute_dtype],
+                                                     DTYPE_BYTES[config.model.master_dtype]),
                   errors=verdict.errors, warnings=verdict.warnings, notes=notes)
 
 
@@ -310,6 +314,8 @@ def _format_placement(placement: dict) -> list[str]:
         estimate = placement["requirements_gib"].get(role)
         suffix = f"  (estimate {estimate:.1f} GiB per device)" if estimate is not None else ""
         lines.append(f"        {role:<10} {where}{suffix}")
+    if placement.get("memory_basis"):
+        lines.append(f"        ({placement['memory_basis']})")
     lines += [f"  {'FAIL' if placement['applies'] else 'warn'}  {line}" for line in placement["errors"]]
     lines += [f"  warn  {line}" for line in placement["warnings"] + placement["notes"]]
     return lines

@@ -114,6 +114,8 @@ def start_run(config: Config) -> RunState:
     ctrl = config.algorithm.kl_ctrl
     controller = make_kl_controller(ctrl.type, ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
     release_run(config)
+    if config.precision_warning:
+        print(config.precision_warning)
     if config.run.resume:
         record = read_run_record(layout)
         tracker = Tracker(config, run_id=record["mlflow_run_id"])

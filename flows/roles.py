@@ -45,9 +45,16 @@ def initial_policy_path(config: Config) -> str:
 
 
 def _model_kwargs(config: Config) -> dict:
-    return dict(dtype=config.model.dtype, device=config.trainer.device,
+    """How every role's model loads: in the compute dtype (trained roles add _trained_kwargs)."""
+    return dict(dtype=config.model.compute_dtype, device=config.trainer.device,
                 attn_implementation=config.model.attn_implementation,
                 trust_remote_code=config.model.trust_remote_code)
+
+
+def _trained_kwargs(config: Config) -> dict:
+    """A trained role's (actor, critic): master weights and optimizer state in model.master_dtype."""
+    return dict(_model_kwargs(config), master_dtype=config.model.master_dtype,
+                gradient_checkpointing=config.model.gradient_checkpointing)
 
 
 def rollout_engine_name(config: Config, device_type: str | None = None) -> str:
@@ -112,7 +119,7 @@ def _vllm_options(config: Config) -> dict:
         raise ValueError(f"trainer.device={config.trainer.device!r}: the vLLM engine runs on the first visible GPU; "
                          "pin GPUs with CUDA_VISIBLE_DEVICES or the placement (trainer.execution=workers)")
     return dict(
-        dtype=config.model.dtype, tensor_parallel_size=tensor_parallel if on_gpu else 1,
+        dtype=config.model.compute_dtype, tensor_parallel_size=tensor_parallel if on_gpu else 1,
         gpu_memory_utilization=rollout.gpu_memory_utilization or (0.4 if shares else 0.85),
         kv_cache_gib=rollout.kv_cache_gib or (None if on_gpu else 1.0),
         max_model_len=config.data.max_prompt_length + rollout.max_new_tokens,
@@ -173,8 +180,7 @@ def _build_actor(config: Config, restore: int | None | object = LATEST):
     restored, checkpoint = restore_point(config, "actor", restore)
     actor = Actor.from_pretrained(checkpoint or initial_policy_path(config), config.actor,
                                   temperature=config.rollout.temperature, seed=config.trainer.seed,
-                                  fused=config.model.fused_logprobs, **_model_kwargs(config))
-    _shard_if_distributed(actor.model)
+                                  fused=config.model.fused_logprobs, **_trained_kwargs(config))
     _compile_if_asked(config, actor.model)
     _restore_trainer_state(actor.updater, checkpoint)
     actor.state_step = restored or 0
@@ -249,13 +255,6 @@ def _compile_if_asked(config: Config, model) -> None:
     print(f"model.compile: {compile_layers(model)} transformer blocks compiled")
 
 
-def _shard_if_distributed(model) -> None:
-    from components.distributed import is_distributed, shard_model
-
-    if is_distributed():
-        shard_model(model)
-
-
 def _build_reference(config: Config):
     from components.reference import Reference
 
@@ -275,8 +274,7 @@ def _build_critic(config: Config, restore: int | None | object = LATEST):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.trainer.seed)
         critic = Critic.from_pretrained(checkpoint or config.critic.model_path or initial_policy_path(config),
-                                        config.critic, seed=config.trainer.seed, **_model_kwargs(config))
-    _shard_if_distributed(critic.model)
+                                        config.critic, seed=config.trainer.seed, **_trained_kwargs(config))
     _compile_if_asked(config, critic.model)
     _restore_trainer_state(critic.updater, checkpoint)
     critic.state_step = restored or 0

@@ -32,13 +32,10 @@ def modelless_roles(config: Config) -> tuple[str, ...]:
     return ("reward",) if config.reward.kind == "rule" else ()
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
 def role_requirements_for_config(config: Config, visible_gpus: int) -> dict[str, int]:
     """Bytes each role needs per GPU, from parameter counts read off the model configs (no weights)."""
     from components.models import check_model_source
-    from components.placement import count_parameters, resolve_assignments, role_requirements
+    from components.placement import DTYPE_BYTES, count_parameters, resolve_assignments, role_requirements
 
     check_model_source(config.model.path)
     policy = count_parameters(config.model.path, config.model.trust_remote_code)
@@ -51,7 +48,8 @@ def role_requirements_for_config(config: Config, visible_gpus: int) -> dict[str,
         counts["reward"] = count_parameters(config.reward.model_path, auto_class=AutoModelForSequenceClassification)
     assignments = resolve_assignments(config.placement, visible_gpus, roles_in_use(config),
                                       modelless_roles=modelless_roles(config))
-    return role_requirements(counts, DTYPE_BYTES[config.model.dtype], assignments)
+    return role_requirements(counts, DTYPE_BYTES[config.model.compute_dtype], assignments,
+                             master_bytes=DTYPE_BYTES[config.model.master_dtype])
 
 
 def plan_placement(config: Config) -> dict[str, object]:

@@ -24,6 +24,8 @@ from components.algorithms import (
     sequence_scores_to_token_rewards,
 )
 from components.batch import SequenceBatch, build_sequence_batch
+from components.models import resolve_dtype
+from components.precision import Precision, autocast_forward, save_compute_copy
 from components.rollout import SamplingParams
 from flows.config import Config
 from flows.resume import prune_weights
@@ -286,8 +288,8 @@ def update_actor(config: Config, step: int) -> StageResult:
     with timed(metrics, "save_weights"):
         state = full_state_dict(actor.model)  # a collective when the actor is sharded
         if is_writer():
-            with atomic_directory(layout.fs, path) as local:
-                actor.model.save_pretrained(local, state_dict=state)
+            with atomic_directory(layout.fs, path) as local:  # the masters cast to the compute dtype
+                save_compute_copy(actor.model, local, state, resolve_dtype(config.model.compute_dtype))
             # Older copies are not read again (with one_step_ahead the rollout is one copy behind).
             prune_weights(layout, step + 1, config.trainer.keep_weights)
     actor.state_step = step + 1
@@ -346,9 +348,16 @@ def warm_start(config: Config) -> StageResult:
     from components.rollout import HFRolloutEngine
     from components.sft import warm_start as fine_tune
 
-    model = load_causal_lm(config.model.path, dtype=config.model.dtype, device=config.trainer.device,
-                           attn_implementation=config.model.attn_implementation,
+    # A trained role: fp32 masters computing in the compute dtype (components.precision); not sharded: each
+    # rank of a sharded actor's worker runs the whole warm-start and rank 0 writes it.
+    precision = Precision.of(config.model.compute_dtype, config.model.master_dtype)
+    model = load_causal_lm(config.model.path, dtype=precision.master, compute_dtype=precision.compute,
+                           device=config.trainer.device, attn_implementation=config.model.attn_implementation,
                            trust_remote_code=config.model.trust_remote_code)
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if precision.mixed:
+        autocast_forward(model, precision.compute)
     tokenizer = get_role(config, "tokenizer")
     engine = HFRolloutEngine(model, tokenizer)
     _, before = evaluate(config, engine, get_role(config, "val_prompts"))
@@ -361,9 +370,12 @@ def warm_start(config: Config) -> StageResult:
     metrics["warm_start/loss_first"], metrics["warm_start/loss_last"] = losses[0], losses[-1]
     layout = layout_for(config)
     path = initial_policy_path(config)
-    with atomic_directory(layout.fs, path) as local:
-        model.save_pretrained(local)
-        tokenizer.save_pretrained(local)
+    if is_writer():
+        # In the master dtype: the actor starts from exactly these weights (the rollout and the reference
+        # load them cast to the compute dtype).
+        with atomic_directory(layout.fs, path) as local:
+            model.save_pretrained(local)
+            tokenizer.save_pretrained(local)
     return {"path": path, "metrics": metrics}
 
 

@@ -35,7 +35,7 @@ def test_resolve_dtype(name, dtype):
 
 @pytest.mark.parametrize("name", ["fp16", "float64", "bf16", ""])
 def test_resolve_dtype_error_names_the_field(name):
-    with pytest.raises(ValueError, match=r"model\.dtype") as error:
+    with pytest.raises(ValueError, match=r"model\.compute_dtype") as error:
         resolve_dtype(name)
     assert repr(name) in str(error.value)
     assert "float32" in str(error.value) and "bfloat16" in str(error.value)
@@ -161,7 +161,7 @@ def test_load_causal_lm_dtype_and_attention(model_path):
 
 
 def test_load_causal_lm_errors(model_path):
-    with pytest.raises(ValueError, match=r"model\.dtype"):
+    with pytest.raises(ValueError, match=r"model\.compute_dtype"):
         load_causal_lm(str(model_path), dtype="float64", device="cpu")
     with pytest.raises(ValueError, match=r"model\.path"):
         load_causal_lm("./does-not-exist")

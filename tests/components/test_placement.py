@@ -14,6 +14,7 @@ from components.placement import (
     PlacementReport,
     check_distributed_env,
     count_parameters,
+    describe_memory_basis,
     estimate_role_bytes,
     resolve_assignments,
     role_requirements,
@@ -89,13 +90,16 @@ def test_assignment_is_validated_too():
 
 
 def test_estimate_by_hand():
-    # 0.5e9 parameters in bf16, trained: weights 1e9 + grads 1e9 + AdamW 4e9 + fp32 master 2e9 + 1 GiB
-    assert estimate_role_bytes(500_000_000, 2, trainable=True) == 8_000_000_000 + GIB
+    # 0.5e9 parameters, fp32 masters computing in bf16, trained: fp32 weights 2e9 + fp32 grads 2e9 + AdamW 4e9
+    # + the bf16 compute copy 1e9 + 1 GiB
+    assert estimate_role_bytes(500_000_000, 2, trainable=True) == 9_000_000_000 + GIB
     assert estimate_role_bytes(500_000_000, 2, trainable=False) == 1_000_000_000 + GIB
-    # fp32 training needs no master copy: 4e9 + 4e9 + 8e9 + 1 GiB
+    # fp32 training needs no compute copy: 4e9 + 4e9 + 8e9 + 1 GiB
     assert estimate_role_bytes(1_000_000_000, 4, trainable=True) == 16_000_000_000 + GIB
+    # pure bf16 (weights, grads and both moments in bf16): 8 bytes per parameter
+    assert estimate_role_bytes(500_000_000, 2, trainable=True, master_bytes=2) == 4_000_000_000 + GIB
     assert estimate_role_bytes(0, 2, trainable=False) == GIB
-    with pytest.raises(ValueError, match="dtype_bytes=0"):
+    with pytest.raises(ValueError, match="compute_bytes=0"):
         estimate_role_bytes(10, 0, trainable=False)
 
 
@@ -103,11 +107,18 @@ def test_requirements_shard_trainable_roles_over_their_gpus():
     assignments = {"actor": [0, 1], "reference": [0, 1], "critic": "cpu", "rollout": [0]}
     parameters = {role: 500_000_000 for role in assignments}
     assert role_requirements(parameters, 2, assignments) == {
-        "actor": 4_000_000_000 + GIB,  # 8e9 of training state over 2 GPUs
+        "actor": 4_500_000_000 + GIB,  # 9e9 of training state over 2 GPUs
         "reference": 1_000_000_000 + GIB,  # a whole copy on each GPU
-        "critic": 8_000_000_000 + GIB,
+        "critic": 9_000_000_000 + GIB,
         "rollout": 1_000_000_000 + GIB,
     }
+
+
+def test_the_memory_basis_names_sixteen_bytes_per_trained_parameter_and_the_compute_copy():
+    assert "16 bytes per parameter (fp32 weights, gradients and two AdamW moments) + 2 (16-bit compute copy)" \
+        in describe_memory_basis(2, 4)
+    assert "compute copy" not in describe_memory_basis(4, 4)
+    assert "8 bytes per parameter (16-bit" in describe_memory_basis(2, 2)
 
 
 def test_count_parameters_matches_the_real_model(tmp_path):

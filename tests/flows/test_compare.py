@@ -84,7 +84,7 @@ def test_differing_params_and_metric_summary(store, tmp_path):
 
 def test_best_direction_rules():
     assert [best_direction(m) for m in DEFAULT_METRICS] == [
-        "max", "max", "min", "min", "min", None, "min", "max", "min", None]
+        "max", "max", "min", "min", "min", None, "min", "max", "min", None, None, None]
 
 
 def test_resolution_by_name_id_and_latest_of_duplicates(store):

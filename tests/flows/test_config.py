@@ -236,8 +236,10 @@ def test_bad_enum():
     message = config_error(["rollout.engine=foo"])
     assert "rollout.engine='foo'" in message
     assert "'hf'" in message
-    message = config_error(["model.dtype=fp8"])
+    message = config_error(["model.dtype=fp8"])  # the old name of model.compute_dtype
     assert "model.dtype='fp8'" in message
+    message = config_error(["model.compute_dtype=fp8"])
+    assert "model.compute_dtype='fp8'" in message
     assert "bfloat16" in message
 
 
@@ -400,7 +402,7 @@ def test_json_schema_builds():
     assert optim["lr"]["default"] == 1e-5
     assert optim["lr"]["exclusiveMinimum"] == 0
     assert schema["$defs"]["RolloutConfig"]["properties"]["engine"]["enum"] == ["auto", "vllm", "hf"]
-    assert schema["$defs"]["ModelConfig"]["properties"]["dtype"]["enum"] == ["float32", "bfloat16", "float16"]
+    assert schema["$defs"]["ModelConfig"]["properties"]["compute_dtype"]["enum"] == ["float32", "bfloat16", "float16"]
     # Field docstrings are not in the schema (use_attribute_docstrings is not set), so no check on
     # "description" of the fields here.
 

@@ -144,6 +144,15 @@ def test_placement_on_two_gpus_with_estimates(machine, tiny_model, monkeypatch):
         "placement.roles.actor: GPU 1 (physical 5, NVIDIA H200) is busy: pid 4242 python3 (60.0 GiB); free it, "
         "pick another GPU, or set placement.allow_busy_gpus=true"]
     assert "other process: pid 4242 python3 60.0 GiB" in doctor.format_report(report)
+    # bf16 compute keeps fp32 masters: 16 bytes per trained parameter plus the bf16 compute copy, and says so
+    config = build_config(None, overrides(machine, tiny_model) + [
+        WORKERS, "actor.use_kl_loss=true", "placement.roles.actor=[1]", "placement.default=[0]",
+        "model.compute_dtype=bfloat16"])
+    report = doctor.collect_report(config)
+    assert report["placement"]["requirements_gib"]["actor"] == round((558976 * (16 + 2) + GIB) / GIB, 2)
+    assert report["placement"]["requirements_gib"]["reference"] == round((558976 * 2 + GIB) / GIB, 2)
+    assert "trained roles 16 bytes per parameter (fp32 weights, gradients and two AdamW moments) + 2 (16-bit " \
+           "compute copy)" in doctor.format_report(report)
 
 
 def test_a_model_that_cannot_be_counted_skips_its_memory_check(machine, monkeypatch):
