@@ -163,6 +163,13 @@ class VLLMRolloutEngine:
 
     def _wake(self, path: str | None = None) -> None:
         started = time.perf_counter()
+        import torch
+
+        if torch.cuda.is_initialized():
+            # Blocks that this process's caching allocator keeps after a training role ran here (the actor's
+            # activations under local execution: tens of GB at 3B) go back to the driver, where the engine's
+            # process can take them (a 3B run on one H200 ran out of memory at wake-up before this was added).
+            torch.cuda.empty_cache()
         # Weights first, loaded before the KV cache is allocated, so that the peak stays low.
         self.llm.wake_up(tags=["weights"])
         self._reload(path or self.weights_path)

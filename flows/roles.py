@@ -282,11 +282,12 @@ def _build_critic(config: Config, restore: int | None | object = LATEST):
 
 
 def _build_reward(config: Config):
-    from components.models import resolve_device
+    from components.models import resolve_device, resolve_dtype
     from components.rewards import RewardModel, load_reward_function
 
-    if config.reward.kind == "model":
-        return RewardModel.from_pretrained(config.reward.model_path, device=resolve_device(config.trainer.device))
+    if config.reward.kind == "model":  # in the compute dtype, as every model that does not train
+        return RewardModel.from_pretrained(config.reward.model_path, device=resolve_device(config.trainer.device),
+                                           dtype=resolve_dtype(config.model.compute_dtype))
     return load_reward_function(config.reward.function)
 
 

@@ -167,3 +167,47 @@ def test_on_policy_update_skips_the_old_logprob_pass(prefect_api, tmp_path, tiny
                              "tags.`rlhf.run_name` = 'on-policy'")[0]
     gap = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff_mean")}
     assert sorted(gap) == [1, 2] and all(0 <= value < 0.02 for value in gap.values()), gap
+
+
+def test_bf16_compute_trains_fp32_masters_at_lr_1e_6_and_logs_the_update_size(prefect_api, tmp_path, tiny_inputs,
+                                                                               _config):
+    """The issue's repro: bf16 compute at an RL learning rate. The masters move, the rollout gets bf16 casts of
+    them, and actor/update_rms_ratio says so in MLflow and in the Prefect metrics table."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    config = _config(tmp_path, tiny_inputs, "grpo", model={"compute_dtype": "bfloat16"},
+                     actor={"optim": {"lr": 1e-6}, "ppo_mini_batch_size": 16, "micro_batch_size": 8},
+                     reward={"function": "dense_reward:digit_share"}, warm_start={"steps": 0},
+                     trainer={"val_every": 0, "checkpoint_every": 1})
+    assert config.model.master_dtype == "float32"  # the default
+    _, summary = _run(config)
+    layout = RunLayout(config.run.storage_root, "grpo")
+    initial = load_file(f"{tiny_inputs['model']}/model.safetensors")
+    masters = load_file(f"{layout.checkpoint_dir(2)}/actor/model.safetensors")
+    published = load_file(f"{layout.weights_dir('actor', 2)}/model.safetensors")
+    with open(f"{layout.weights_dir('actor', 2)}/config.json") as file:
+        assert json.load(file)["dtype"] == "bfloat16"
+    changed = total = 0
+    for name, tensor in masters.items():
+        assert tensor.dtype == torch.float32, name
+        assert torch.equal(published[name], tensor.to(torch.bfloat16)), name  # the rollout's copy: a cast
+        changed += int((tensor != initial[name]).sum())
+        total += tensor.numel()
+    assert changed > 0.9 * total  # two AdamW steps of ~1e-6 kept by the fp32 masters
+
+    client = MlflowClient(tracking_uri=config.tracking.tracking_uri)
+    ratios = client.get_metric_history(summary["mlflow_run_id"], "actor/update_rms_ratio")
+    assert [m.step for m in ratios] == [1, 2]
+    assert all(1e-7 < m.value < 1e-3 for m in ratios), [m.value for m in ratios]
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as prefect:
+        found = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["grpo-metrics"])))
+    table = sorted(found, key=lambda artifact: artifact.created)[-1].data
+    rows = json.loads(table) if isinstance(table, str) else table
+    assert [row["actor/update_rms_ratio"] for row in rows] == pytest.approx([m.value for m in ratios], rel=1e-4)
