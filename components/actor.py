@@ -11,13 +11,48 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from pydantic import Field
 
 from components.algorithms import aggregate_loss, get_policy_loss, kl_loss, logprob_gap
 from components.algorithms.fused import logprobs_and_entropy
 from components.batch import PaddingPlan, SequenceBatch, micro_batches, model_logits, pad_responses
 from components.models import load_causal_lm, load_tokenizer
 from components.precision import Precision, prepare_trained_model
-from components.training import Updater, device_rows, micro_rows, to_device
+from components.settings import Section
+from components.training import OptimConfig, Updater, device_rows, micro_rows, to_device
+
+
+class ActorConfig(Section):
+    reuse_update_logprobs: bool = True
+    """When the update is on-policy (ppo_epochs=1 and one mini-batch holding the whole step, no KL in the
+    reward), skip the separate old-log-prob pass: the update's own forward gives the same log-probs before
+    its only optimizer step (rollout/logprob_diff_* then come from that forward)."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer of the policy."""
+    ppo_epochs: int = Field(1, gt=0)
+    """Passes over each step's batch."""
+    ppo_mini_batch_size: int = Field(256, gt=0)
+    """Samples per optimizer step."""
+    micro_batch_size: int = Field(64, gt=0)
+    """Samples per forward/backward (gradient accumulation over a mini-batch)."""
+    policy_loss: str = "ppo"
+    """Registered policy loss (components.algorithms.losses)."""
+    clip_ratio_low: float = Field(0.2, ge=0)
+    """PPO ratio clip below 1."""
+    clip_ratio_high: float = Field(0.2, ge=0)
+    """PPO ratio clip above 1."""
+    clip_ratio_c: float = Field(3.0, gt=1)
+    """Dual-clip bound for negative advantages (Ye et al. 2020)."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight (subtracted from the loss)."""
+    use_kl_loss: bool = False
+    """Add KL to the reference as a loss term (GRPO style) instead of a reward penalty."""
+    kl_loss_coef: float = Field(0.001, ge=0)
+    """Weight of the KL loss term."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator for the loss term: k1, abs, k2/mse, k3/low_var_kl."""
 
 
 def _accumulate_gap(gap: dict, logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
@@ -64,8 +99,6 @@ class Actor:
     """Policy model + optimizer. `temperature` must match the rollout's sampling temperature."""
 
     def __init__(self, model, tokenizer, config=None, *, temperature: float = 1.0, seed: int = 0, fused: bool = True):
-        from flows.config import ActorConfig
-
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or ActorConfig()

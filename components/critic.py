@@ -7,12 +7,31 @@ critic can start from the policy's weights, as in verl.
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 
 from components.algorithms import value_loss
 from components.batch import PaddingPlan, SequenceBatch, micro_batches, pad_responses
 from components.models import load_pretrained
 from components.precision import Precision, prepare_trained_model
-from components.training import Updater, device_rows, micro_rows, to_device
+from components.settings import Section
+from components.training import OptimConfig, Updater, device_rows, micro_rows, to_device
+
+
+class CriticConfig(Section):
+    model_path: str | None = None
+    """Backbone of the value model (None: the initial policy)."""
+    optim: OptimConfig = OptimConfig(lr=1e-5)
+    """Optimizer of the critic."""
+    ppo_epochs: int = Field(1, gt=0)
+    """Passes over each step's batch."""
+    ppo_mini_batch_size: int = Field(256, gt=0)
+    """Samples per optimizer step."""
+    micro_batch_size: int = Field(64, gt=0)
+    """Samples per forward/backward."""
+    cliprange_value: float = Field(0.5, gt=0)
+    """Value clipping range."""
+    loss_agg_mode: str = "token-mean"
+    """Loss aggregation of the value loss."""
 
 
 def response_values(model, batch: SequenceBatch) -> torch.Tensor:
@@ -25,8 +44,6 @@ def response_values(model, batch: SequenceBatch) -> torch.Tensor:
 
 class Critic:
     def __init__(self, model, config=None, *, seed: int = 0):
-        from flows.config import CriticConfig
-
         self.model = model
         self.config = config or CriticConfig()
         self.updater = Updater(model, self.config, seed)

@@ -13,9 +13,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from components.devices import GpuInfo, Inventory
+from components.settings import Section
 
 ROLES = ("rollout", "actor", "critic", "reference", "reward")
 TRAINABLE_ROLES = ("actor", "critic")
@@ -42,10 +43,8 @@ def _check_role_name(role: str) -> None:
         raise ValueError(f"unknown role {role!r}; valid roles: {', '.join(ROLES)}")
 
 
-class PlacementConfig(BaseModel):
+class PlacementConfig(Section):
     """Which GPUs (indices within CUDA_VISIBLE_DEVICES) or the CPU each role uses."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
     roles: dict[str, Assignment] = {}
     """Per role: GPU indices relative to CUDA_VISIBLE_DEVICES (e.g. actor: [0, 1]) or "cpu"."""

@@ -13,9 +13,24 @@ from collections import defaultdict
 from typing import Callable
 
 import torch
+from pydantic import Field
 
 from components.distributed import is_distributed, local_rows, scalar, world_size
 from components.precision import parameter_change_ratio
+from components.settings import Section
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up, in optimizer steps."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this."""
 
 
 def make_optimizer(model: torch.nn.Module, optim_config) -> tuple[torch.optim.Optimizer, object]:

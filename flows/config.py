@@ -11,20 +11,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, Field, ValidationError, model_validator
 
+# The sections of the roles live beside the code they configure (torchtitan's rule); this tree composes them.
+from components.actor import ActorConfig
+from components.critic import CriticConfig
 from components.placement import PlacementConfig
+from components.settings import Section
+from components.training import OptimConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 class ConfigError(ValueError):
     """A configuration the user must fix; the message is one actionable line per problem."""
-
-
-class Section(BaseModel):
-    # Attribute docstrings become field descriptions: the Prefect UI shows them beside each field.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class RunConfig(Section):
@@ -145,69 +145,6 @@ class RolloutConfig(Section):
     one prompt; 0: none). They serve only rollout/logprob_diff_*, measured on those samples. Requesting
     them slows vLLM's decoding (on an H200, 0.5B model: 50,000 tokens/s raw, 28,900 with log-probs for
     every sample), so by default 1 prompt in 8 carries them."""
-
-
-class OptimConfig(Section):
-    lr: float = Field(1e-5, gt=0)
-    """AdamW learning rate."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    warmup_steps: int = Field(0, ge=0)
-    """Linear learning-rate warm-up, in optimizer steps."""
-    grad_clip: float = Field(1.0, gt=0)
-    """Clip the global gradient norm to this."""
-
-
-class ActorConfig(Section):
-    reuse_update_logprobs: bool = True
-    """When the update is on-policy (ppo_epochs=1 and one mini-batch holding the whole step, no KL in the
-    reward), skip the separate old-log-prob pass: the update's own forward gives the same log-probs before
-    its only optimizer step (rollout/logprob_diff_* then come from that forward)."""
-    optim: OptimConfig = OptimConfig()
-    """Optimizer of the policy."""
-    ppo_epochs: int = Field(1, gt=0)
-    """Passes over each step's batch."""
-    ppo_mini_batch_size: int = Field(256, gt=0)
-    """Samples per optimizer step."""
-    micro_batch_size: int = Field(64, gt=0)
-    """Samples per forward/backward (gradient accumulation over a mini-batch)."""
-    policy_loss: str = "ppo"
-    """Registered policy loss (components.algorithms.losses)."""
-    clip_ratio_low: float = Field(0.2, ge=0)
-    """PPO ratio clip below 1."""
-    clip_ratio_high: float = Field(0.2, ge=0)
-    """PPO ratio clip above 1."""
-    clip_ratio_c: float = Field(3.0, gt=1)
-    """Dual-clip bound for negative advantages (Ye et al. 2020)."""
-    loss_agg_mode: str = "token-mean"
-    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
-    entropy_coeff: float = 0.0
-    """Entropy bonus weight (subtracted from the loss)."""
-    use_kl_loss: bool = False
-    """Add KL to the reference as a loss term (GRPO style) instead of a reward penalty."""
-    kl_loss_coef: float = Field(0.001, ge=0)
-    """Weight of the KL loss term."""
-    kl_loss_type: str = "low_var_kl"
-    """KL estimator for the loss term: k1, abs, k2/mse, k3/low_var_kl."""
-
-
-class CriticConfig(Section):
-    model_path: str | None = None
-    """Backbone of the value model (None: the initial policy)."""
-    optim: OptimConfig = OptimConfig(lr=1e-5)
-    """Optimizer of the critic."""
-    ppo_epochs: int = Field(1, gt=0)
-    """Passes over each step's batch."""
-    ppo_mini_batch_size: int = Field(256, gt=0)
-    """Samples per optimizer step."""
-    micro_batch_size: int = Field(64, gt=0)
-    """Samples per forward/backward."""
-    cliprange_value: float = Field(0.5, gt=0)
-    """Value clipping range."""
-    loss_agg_mode: str = "token-mean"
-    """Loss aggregation of the value loss."""
 
 
 class RewardConfig(Section):

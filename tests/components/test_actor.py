@@ -12,7 +12,8 @@ from components.models import load_causal_lm, load_tokenizer
 from components.reference import Reference
 from components.rollout import HFRolloutEngine, SamplingParams
 from components.tiny import TinyModelSpec
-from flows.config import ActorConfig, OptimConfig
+from components.actor import ActorConfig
+from components.training import OptimConfig
 
 SPEC = TinyModelSpec(hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128,
                      num_hidden_layers=1)

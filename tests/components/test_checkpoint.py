@@ -11,7 +11,7 @@ import torch
 from components.actor import Actor
 from components.batch import build_sequence_batch
 from components.checkpoint import load_trainer_state, save_role_checkpoint
-from flows.config import ActorConfig
+from components.actor import ActorConfig
 
 
 def _trained_actor(model_path):

@@ -7,7 +7,8 @@ from components.batch import build_sequence_batch
 from components.critic import Critic, response_values
 from components.models import load_tokenizer
 from components.tiny import TinyModelSpec
-from flows.config import CriticConfig, OptimConfig
+from components.critic import CriticConfig
+from components.training import OptimConfig
 
 SPEC = TinyModelSpec(hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128,
                      num_hidden_layers=1)

@@ -206,7 +206,7 @@ def test_compile_layers_compiles_every_block_and_keeps_the_outputs(tmp_path):
 
 def test_optimizer_is_fused_only_on_cuda():
     from components.training import make_optimizer
-    from flows.config import OptimConfig
+    from components.training import OptimConfig
 
     optimizer, _ = make_optimizer(torch.nn.Linear(4, 4), OptimConfig())
     assert not optimizer.defaults.get("fused")

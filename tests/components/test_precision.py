@@ -14,7 +14,9 @@ from components.checkpoint import load_trainer_state, save_role_checkpoint
 from components.critic import Critic
 from components.precision import Precision, autocast_forward, compute_state_dict, save_compute_copy
 from components.training import make_optimizer, run_updates, update_rms_ratio
-from flows.config import ActorConfig, CriticConfig, OptimConfig
+from components.actor import ActorConfig
+from components.critic import CriticConfig
+from components.training import OptimConfig
 
 PROMPTS = [[49, 50, 43, 51, 52, 61], [55], [40, 41, 42], [33, 34]]
 RESPONSES = [[100, 101], [10, 20, 30, 40, 256], [7], [60, 61, 62]]

@@ -10,7 +10,7 @@ from components.batch import build_sequence_batch
 from components.models import load_causal_lm, load_tokenizer
 from components.rollout import Generation, HFRolloutEngine, SamplingParams
 from components.tiny import TinyModelSpec, build_tiny_model
-from flows.config import ActorConfig
+from components.actor import ActorConfig
 
 SPEC = TinyModelSpec(hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128,
                      num_hidden_layers=1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from components.training import make_optimizer, run_updates
-from flows.config import OptimConfig
+from components.training import OptimConfig
 
 # y = 0 everywhere; w0 = [1, -2, 0.5]; residuals X @ w0 = [1, -2, 0.5, -0.5]
 X = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
