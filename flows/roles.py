@@ -87,18 +87,22 @@ def rollout_sleeps(config: Config, on_gpu: bool) -> bool:
     return on_gpu and (sleep == "on" or (sleep == "auto" and rollout_shares_gpu(config)))
 
 
-def _rollout_gpus(config: Config) -> int:
-    """GPUs the rollout's engines may use in this process: every visible one in the rollout's worker,
-    the first one under local execution (where trainer.device is cuda:0), none on the CPU."""
-    import torch
-
+def rollout_gpus(config: Config, visible: int) -> int:
+    """GPUs the rollout's engines may use, of the `visible` ones of the process that builds it: all of them
+    under trainer.execution=workers (only the rollout's worker builds it, pinned to the rollout's GPUs by the
+    placement), the first one under local execution (where trainer.device is cuda:0), none on the CPU.
+    A function of the config and the visible devices alone, not of the calling process."""
     from components.models import resolve_device
-    from flows import worker
 
     if resolve_device(config.trainer.device).type != "cuda":
         return 0
-    serving_rollout = worker.CURRENT is not None and worker.CURRENT.state.get("role") == "rollout"
-    return torch.cuda.device_count() if serving_rollout else min(1, torch.cuda.device_count())
+    return visible if config.trainer.execution == "workers" else min(1, visible)
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _vllm_options(config: Config) -> dict:
@@ -111,7 +115,7 @@ def _vllm_options(config: Config) -> dict:
     on_gpu = resolve_device(config.trainer.device).type == "cuda"
     shares = on_gpu and rollout_shares_gpu(config)
     visible = torch.cuda.device_count() if on_gpu else 0
-    tensor_parallel = rollout.tensor_parallel_size or max(1, _rollout_gpus(config) // rollout.engines)
+    tensor_parallel = rollout.tensor_parallel_size or max(1, rollout_gpus(config, visible) // rollout.engines)
     if on_gpu and tensor_parallel > visible:
         raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel}: only {visible} GPUs are visible to the "
                          "rollout; place the rollout role on that many GPUs")
@@ -152,7 +156,7 @@ def _build_rollout(config: Config):
         count = config.rollout.engines
         if count == 1:
             return VLLMRolloutEngine(path, tokenizer=tokenizer, **options)
-        gpus = _rollout_gpus(config)
+        gpus = rollout_gpus(config, _visible_gpus())
         placements = (engine_placements(count, options["tensor_parallel_size"], gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
                       if gpus else [(None, 1)] * count)
         engines = []

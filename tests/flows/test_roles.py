@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flows.roles import engine_placements
+from flows.config import build_config
+from flows.roles import engine_placements, rollout_gpus
 
 
 def test_one_engine_per_gpu_group():
@@ -20,6 +21,18 @@ def test_more_engines_than_groups_share_them_round_robin():
 def test_a_tensor_parallel_size_beyond_the_gpus_is_refused():
     with pytest.raises(ValueError, match="rollout.tensor_parallel_size=2: only 1 GPUs"):
         engine_placements(1, 2, 1, None)
+
+
+def test_the_rollout_gpus_follow_the_config_and_the_visible_devices_not_the_process(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # trainer.device=cuda resolves without a GPU
+    workers = build_config({}, ["trainer.device=cuda", "trainer.execution=workers"])
+    local = build_config({}, ["trainer.device=cuda", "trainer.execution=local"])
+    assert rollout_gpus(workers, 4) == 4  # the rollout's worker sees exactly the rollout's GPUs
+    assert rollout_gpus(local, 4) == 1  # one process on cuda:0
+    assert rollout_gpus(local, 0) == 0
+    assert rollout_gpus(build_config({}, ["trainer.device=cpu", "trainer.execution=workers"]), 4) == 0
 
 
 # --- trained_role: a trained role's state must be the one the stage needs -------------------------
