@@ -64,15 +64,16 @@ def autocast_forward(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
     return model
 
 
-def prepare_trained_model(model: torch.nn.Module, precision: Precision, gradient_checkpointing: bool = False):
+def prepare_trained_model(model: torch.nn.Module, precision: Precision, gradient_checkpointing: bool = False,
+                          shard: bool = True):
     """A trained role's model, loaded in `precision.master`, made ready to train: activation checkpointing
-    if asked, then sharded with FSDP2's mixed precision policy in a distributed worker, else its forward put
-    under autocast to the compute dtype (when that is narrower than the masters)."""
+    if asked, then sharded with FSDP2's mixed precision policy in a distributed worker (unless shard=False),
+    else its forward put under autocast to the compute dtype (when that is narrower than the masters)."""
     from components.distributed import is_distributed, shard_model
 
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if is_distributed():
+    if shard and is_distributed():
         shard_model(model, fsdp_policy(precision))
     elif precision.mixed:
         autocast_forward(model, precision.compute)

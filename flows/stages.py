@@ -25,7 +25,7 @@ from components.algorithms import (
 )
 from components.batch import SequenceBatch, build_sequence_batch
 from components.models import resolve_dtype
-from components.precision import Precision, autocast_forward, save_compute_copy
+from components.precision import Precision, prepare_trained_model, save_compute_copy
 from components.rollout import SamplingParams
 from flows.config import Config
 from flows.resume import prune_weights
@@ -354,10 +354,7 @@ def warm_start(config: Config) -> StageResult:
     model = load_causal_lm(config.model.path, dtype=precision.master, compute_dtype=precision.compute,
                            device=config.trainer.device, attn_implementation=config.model.attn_implementation,
                            trust_remote_code=config.model.trust_remote_code)
-    if config.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if precision.mixed:
-        autocast_forward(model, precision.compute)
+    prepare_trained_model(model, precision, config.model.gradient_checkpointing, shard=False)
     tokenizer = get_role(config, "tokenizer")
     engine = HFRolloutEngine(model, tokenizer)
     _, before = evaluate(config, engine, get_role(config, "val_prompts"))
