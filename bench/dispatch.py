@@ -39,8 +39,8 @@ def main() -> None:
     from components.tasks.arithmetic import write_arithmetic_dataset
     from components.tiny import build_tiny_model
     from flows.config import build_config
-    from flows.launcher import prefect_server, using_prefect_api
-    from flows.run import run_training
+    from flows.runtime.launcher import prefect_server, using_prefect_api
+    from flows.training.run import run_training
 
     work = Path(tempfile.mkdtemp(prefix="rlhf-bench-dispatch-"))
     model = build_tiny_model(work / "model")

@@ -74,7 +74,7 @@ shared_prefect_server() {  # one Prefect server for every run of the session (sa
   fi
   [ "${1:-}" = start ] && { SERVER_STARTING=1; return; }  # started; the next call waits for it
   SERVER_STARTING=
-  "$PY" -c "from flows.launcher import wait_until_healthy; wait_until_healthy('${PREFECT_API_URL%/}', None)"
+  "$PY" -c "from flows.runtime.launcher import wait_until_healthy; wait_until_healthy('${PREFECT_API_URL%/}', None)"
   echo "== $(date +%T) (+$((SECONDS - STARTED)) s) shared Prefect server at $PREFECT_API_URL"
 }
 case " $* " in *" table "*|*" t "*|*" t1 "*|*" t2 "*|*" s1 "*|*" ae "*|*" pe "*|*" te "*|*" one "*|*" big "*)

@@ -8,7 +8,7 @@
 One rollout role serves every measurement (as the flow builds it, started once; --engines 2: two engines):
   raw    `LLM.generate` on the prompts as token ids, n samples each, unseeded, no log-probs: vLLM alone,
          as a user would call it. Variants: with per-request seeds; with the sampled tokens' log-probs.
-  stage  `flows.stages.rollout(config, step)`: prompt sampling from the Parquet dataset, generation with
+  stage  `flows.training.stages.rollout(config, step)`: prompt sampling from the Parquet dataset, generation with
          the sampled tokens' log-probs, decoding, and the Parquet write; timed end to end, with the
          product's defaults (per-prompt seeds; the engine's log-probs for 1 prompt in 8,
          rollout.logprobs_fraction=0.125). Variants: log-probs for every sample (fraction 1); none (0).
@@ -85,9 +85,11 @@ def main() -> None:
     import torch
 
     from flows.config import build_config
-    from flows.roles import get_role, layout_for, release_run
+    from flows.config import layout_for
+    from flows.runtime.residents import release_run
+    from flows.training.roles import get_role
     from components.vllm_rollout import prompt_shares
-    from flows.stages import rollout, sync_rollout_weights
+    from flows.training.stages import rollout, sync_rollout_weights
 
     model_dir = make_random_model(args.model_dir or f"/tmp/rlhf-bench-models/{args.preset}", args.preset)
     work = Path(tempfile.mkdtemp(prefix="rlhf-bench-rollout-"))

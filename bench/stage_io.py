@@ -3,7 +3,7 @@
     python bench/stage_io.py                       # 512 samples x (256 + 512) tokens, median of 7
 
 Writes a synthetic rollout and reward file (bench/step.py's shape) under a temporary run folder and
-times `flows.stages.advantages` on them; what is left is reading, converting and writing: the
+times `flows.training.stages.advantages` on them; what is left is reading, converting and writing: the
 per-step host work every stage of a step pays in some form.
 """
 
@@ -31,9 +31,9 @@ def main() -> None:
 
     from bench.common import machine_info
     from components.tiny import build_tiny_model
-    from flows import stages
+    from flows.training import stages
     from flows.config import build_config
-    from flows.roles import layout_for
+    from flows.config import layout_for
     from storage import write_stage
 
     work = Path(tempfile.mkdtemp(prefix="rlhf-bench-stage-io-"))

@@ -12,7 +12,7 @@ compute with fp32 master weights and optimizer state (model.compute_dtype=bfloat
 model.master_dtype=float32; float32 throughout on the CPU), random weights, rule reward (--reward digits: the
 fraction of digits in the response, bench/trl_grpo.py's reward, so group advantages are not all zero). GRPO runs no
 reference model (no KL term, like TRL's default beta=0); PPO adds the critic (GAE). It runs the real
-flow (Prefect, MLflow, Parquet stages; vLLM rollout) through `flows.run.run_training` and reads the
+flow (Prefect, MLflow, Parquet stages; vLLM rollout) through `flows.training.run.run_training` and reads the
 per-stage timings back from MLflow.
 
 Reported: per-stage seconds and step seconds (mean over the steps after --warmup), generated
@@ -185,7 +185,7 @@ def run_product(args) -> dict:
     from mlflow.tracking import MlflowClient
 
     from flows.config import build_config
-    from flows.run import run_training
+    from flows.training.run import run_training
 
     model_dir = make_random_model(args.model_dir or f"/tmp/rlhf-bench-models/{args.preset}", args.preset)
     total_steps = args.warmup + args.steps

@@ -6,7 +6,7 @@
     python bench/update.py --device cpu --preset tiny --samples 8 --prompt-tokens 8 --response-tokens 8 \
         --micro-batch 4                                     # smoke test of the script
 
-No Prefect, MLflow or vLLM: it builds the actor the way the actor role does (`flows.roles`), feeds it
+No Prefect, MLflow or vLLM: it builds the actor the way the actor role does (`flows.training.roles`), feeds it
 one fixed random batch (every prompt and response full length, advantages ~ N(0, 1), the engine's
 log-probs for 1 sample in 8 as in `rollout.logprobs_fraction`) and times `Actor.update` with CUDA
 synchronised around it. Steps after --warmup are averaged; the first holds any compilation.
@@ -86,7 +86,7 @@ def main() -> None:
     import components
     from bench.step import update_flops
     from flows.config import build_config
-    from flows.roles import _build_actor
+    from flows.training.roles import _build_actor
 
     model_dir = make_random_model(args.model_dir or f"/tmp/rlhf-bench-models/{args.preset}", args.preset)
     samples = args.samples

@@ -18,6 +18,7 @@ from components.algorithms.fused import logprobs_and_entropy
 from components.batch import PaddingPlan, SequenceBatch, micro_batches, model_logits, pad_responses
 from components.models import load_causal_lm, load_tokenizer
 from components.precision import Precision, prepare_trained_model
+from components.rollout import HFRolloutEngine, SamplingParams
 from components.settings import Section
 from components.training import OptimConfig, Updater, device_rows, micro_rows, to_device
 
@@ -195,8 +196,6 @@ class Actor:
 
     def generate(self, prompts, **sampling):
         """Sample responses with the transformers engine (see components.rollout.SamplingParams)."""
-        from components.rollout import HFRolloutEngine, SamplingParams
-
         engine = HFRolloutEngine(self.model, self.tokenizer)
         return engine.generate_text(prompts, SamplingParams(**sampling))
 

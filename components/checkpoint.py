@@ -12,6 +12,8 @@ import torch
 
 from components.distributed import full_state_dict, is_distributed, is_writer
 from components.training import Updater
+from components.training import make_optimizer
+from storage import atomic_directory
 
 TRAINER_STATE = "trainer_state.pt"
 
@@ -29,8 +31,6 @@ def _optimizer_state(updater: Updater) -> dict | None:
 
 def save_role_checkpoint(fs, path: str, model, updater: Updater, tokenizer=None) -> None:
     """Write the role's full training state to `path` (a folder on the run's filesystem)."""
-    from storage import atomic_directory
-
     weights = full_state_dict(model)
     optimizer = _optimizer_state(updater)
     if not is_writer():
@@ -47,8 +47,6 @@ def save_role_checkpoint(fs, path: str, model, updater: Updater, tokenizer=None)
 
 def load_trainer_state(updater: Updater, local_path: str) -> None:
     """Restore optimizer, schedule, update count and RNG from a checkpoint folder (local path)."""
-    from components.training import make_optimizer
-
     state = torch.load(f"{local_path}/{TRAINER_STATE}", map_location="cpu", weights_only=False)
     updater.updates = state["updates"]
     torch.set_rng_state(state["torch_rng"])

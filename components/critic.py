@@ -12,6 +12,7 @@ from pydantic import Field
 from components.algorithms import value_loss
 from components.batch import PaddingPlan, SequenceBatch, micro_batches, pad_responses
 from components.models import load_pretrained
+from components.models import model_source
 from components.precision import Precision, prepare_trained_model
 from components.settings import Section
 from components.training import OptimConfig, Updater, device_rows, micro_rows, to_device
@@ -54,7 +55,6 @@ class Critic:
         """dtype: the compute dtype; master_dtype: the parameters' and optimizer state's (as for the actor)."""
         from transformers import AutoConfig, AutoModelForTokenClassification
 
-        from components.models import model_source
 
         # No dropout before the value head: update() runs in train mode and must see the same values
         # that compute_values() produced in eval mode (old_values), or the clipped loss is biased.

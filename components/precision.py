@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from components.distributed import is_distributed, shard_model
 from components.models import resolve_dtype
 
 
@@ -69,8 +70,6 @@ def prepare_trained_model(model: torch.nn.Module, precision: Precision, gradient
     """A trained role's model, loaded in `precision.master`, made ready to train: activation checkpointing
     if asked, then sharded with FSDP2's mixed precision policy in a distributed worker (unless shard=False),
     else its forward put under autocast to the compute dtype (when that is narrower than the masters)."""
-    from components.distributed import is_distributed, shard_model
-
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if shard and is_distributed():

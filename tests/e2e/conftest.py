@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
-    from flows.launcher import prefect_server, using_prefect_api
+    from flows.runtime.launcher import prefect_server, using_prefect_api
 
     home = tmp_path_factory.mktemp("prefect-home")
     with prefect_server(prefect_home=home) as api_url, using_prefect_api(api_url, prefect_home=home):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.compare import compare_runs
+from flows.tools.compare import compare_runs
 
 pytestmark = pytest.mark.e2e
 
@@ -19,7 +19,7 @@ def _config(make_config, tmp_path, name, estimator):
 
 @pytest.fixture(scope="module")
 def two_runs(prefect_api, tiny_inputs, tmp_path_factory, make_config):
-    from flows.train import train
+    from flows.training.train import train
 
     tmp_path = tmp_path_factory.mktemp("compare")
     ids = {}
@@ -56,7 +56,7 @@ def test_compare_runs_matches_mlflow_and_plots_both_runs(two_runs):
 
 
 def test_cli_prints_both_runs_and_writes_the_plot(two_runs, capsys):
-    from flows.cli import main
+    from flows.tools.cli import main
 
     uri, ids, tmp_path = two_runs
     output = tmp_path / "cli" / "compare.png"

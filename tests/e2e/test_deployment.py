@@ -3,7 +3,7 @@
 Against the session's real local Prefect server, with the Prefect CLI in subprocesses (as in the
 README's "Deployments" section). The run is the `quickstart` deployment with its config parameter
 replaced by a 2-step tiny run, executed by a process worker in a separate flow-run process, which
-must find flows/train.py through the deployment's pull step.
+must find flows/training/train.py through the deployment's pull step.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def test_deploy_from_prefect_yaml_and_run_on_a_process_worker(prefect_api, tmp_p
     assert nightly.work_pool_name == "rlhf-local"
     assert [(s.schedule.cron, s.active) for s in nightly.schedules] == [("0 2 * * *", False)]
     quickstart = _read_deployment("rlhf-train/quickstart")
-    assert quickstart.entrypoint == "flows/train.py:train"
+    assert quickstart.entrypoint == "flows/training/train.py:train"
     assert quickstart.parameters["config"]["trainer"]["total_steps"] == 50
     # The pull step holds the checkout's absolute path, resolved when deploying (not a template).
     assert quickstart.pull_steps == [

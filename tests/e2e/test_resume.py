@@ -39,7 +39,7 @@ def _config(make_config):
 
 
 def _train(config):
-    from flows.train import train
+    from flows.training.train import train
 
     return train(config, return_state=True)
 
@@ -114,7 +114,7 @@ def test_a_driver_killed_mid_step_resumes(uninterrupted, prefect_api, tmp_path, 
     config_file = tmp_path / "config.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     env = dict(os.environ, PREFECT_API_URL=prefect_api, PYTHONPATH=str(Path(__file__).parents[2]))
-    driver = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", str(config_file)], env=env,
+    driver = subprocess.Popen([sys.executable, "-m", "flows.tools.cli", "train", str(config_file)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     marker = Path(RunLayout(config.run.storage_root, "baseline").stage_path(1, "reward"))
     deadline = time.monotonic() + 240

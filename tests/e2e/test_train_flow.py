@@ -7,7 +7,7 @@ import math
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.roles import LOAD_COUNTS
+from flows.runtime.residents import LOAD_COUNTS
 from storage import RunLayout, read_stage, validate_stage_file
 
 pytestmark = pytest.mark.e2e
@@ -26,7 +26,7 @@ def _config(make_config):
 
 
 def _run(config):
-    from flows.train import train
+    from flows.training.train import train
 
     state = train(config, return_state=True)
     assert state.is_completed(), state
@@ -137,7 +137,7 @@ def test_ppo_flow_with_critic_and_adaptive_kl_penalty(prefect_api, tmp_path, tin
 
 def test_existing_run_folder_is_refused_before_any_model_loads(prefect_api, tmp_path, tiny_inputs, _config):
     from flows.config import ConfigError
-    from flows.train import train
+    from flows.training.train import train
 
     config = _config(tmp_path, tiny_inputs, "taken")
     layout = RunLayout(config.run.storage_root, "taken")

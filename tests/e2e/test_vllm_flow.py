@@ -13,7 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from components.vllm_rollout import installed_vllm, vllm_supports
-from flows.roles import LOAD_COUNTS
+from flows.runtime.residents import LOAD_COUNTS
 from storage import RunLayout, read_stage
 
 pytestmark = pytest.mark.e2e
@@ -30,7 +30,7 @@ STEPS = 3
 def test_flow_with_vllm_rollout_keeps_logprobs_consistent(prefect_api, tmp_path, make_config, engines):
     """With two engines (rollout.engines=2), prompts 0-1 go to the first and 2-3 to the second, and the
     log-prob gap below is measured on prompts 0 and 2: both engines must hold each step's weights."""
-    from flows.train import train
+    from flows.training.train import train
 
     config = make_config(tmp_path, "vllm", f"e2e-vllm-{engines}",
                          rollout={"engine": "vllm", "n": 4, "max_new_tokens": 6, "kv_cache_gib": 0.5,
@@ -80,9 +80,9 @@ def test_a_vllm_rollout_worker_imports_vllm_before_its_first_stage(prefect_api, 
     the warm-start, from its output."""
     from pathlib import Path
 
-    from flows.launcher import using_prefect_api, worker_environment
-    from flows.run import worker_pool
-    from flows.train import train
+    from flows.runtime.launcher import using_prefect_api, worker_environment
+    from flows.training.run import worker_pool
+    from flows.training.train import train
 
     config = make_config(tmp_path, "vllm-workers", "e2e-vllm-workers",
                          rollout={"engine": "vllm", "n": 4, "max_new_tokens": 6, "kv_cache_gib": 0.5},

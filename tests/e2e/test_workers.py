@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.run import worker_pool
-from flows.worker import ROLE_STAGES, read_heartbeats
+from flows.runtime.worker import read_heartbeats
+from flows.training.registry import role_stages
+from flows.training.run import worker_pool
 from storage import RunLayout, read_stage
 
 pytestmark = pytest.mark.e2e
@@ -33,8 +34,8 @@ def _config(make_config):
 
 
 def _train_with_workers(config, prefect_api, during=None):
-    from flows.launcher import using_prefect_api, worker_environment
-    from flows.train import train
+    from flows.runtime.launcher import using_prefect_api, worker_environment
+    from flows.training.train import train
 
     storage = worker_environment(prefect_api, config.run.storage_root, "")["PREFECT_LOCAL_STORAGE_PATH"]
     with using_prefect_api(prefect_api, local_storage_path=storage), worker_pool(config, prefect_api) as pool:
@@ -56,7 +57,7 @@ def test_each_stage_runs_in_its_role_worker_which_loads_its_model_once(prefect_a
     assert len({beat["pid"] for beat in beats}) == 4 and os.getpid() not in {beat["pid"] for beat in beats}
     for role, beat in by_role.items():
         stages = {stage for stage, _ in beat["finished"]}
-        assert stages <= set(ROLE_STAGES[role]), (role, stages)
+        assert stages <= {spec.name for spec in role_stages(role)}, (role, stages)
         assert beat["load_counts"].get(role) == 1, (role, beat["load_counts"])
     # Every role but the rollout loaded its model in a prepare stage, first thing, beside the first validation.
     assert sorted(role for role, beat in by_role.items() if beat["finished"][0][0] == f"prepare_{role}") == [
@@ -206,11 +207,11 @@ def test_the_driver_takes_each_stage_result_from_its_worker_without_waiting_for_
         tmp_path, tiny_inputs, _config, monkeypatch):
     """A server whose task run recorder is off never learns a task run's final state (Prefect records
     states sent as events there). The run still completes: the driver takes each stage's result from
-    the file its worker publishes (flows.worker.publish_result), and leaves none behind. Before, it
+    the file its worker publishes (flows.runtime.worker.publish_result), and leaves none behind. Before, it
     waited for the server's Completed state, which Prefect 3.7 at times records seconds late."""
     from mlflow.tracking import MlflowClient
 
-    from flows.launcher import prefect_server, using_prefect_api
+    from flows.runtime.launcher import prefect_server, using_prefect_api
 
     monkeypatch.setenv("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_ENABLED", "false")
     home = tmp_path / "prefect-home"

@@ -73,7 +73,7 @@ def test_latest_weights_skips_uncommitted_dirs(tmp_path, memory):
 
 
 def test_prune_weights_keeps_the_newest_step_zero_and_checkpointed_steps(tmp_path):
-    from flows.resume import prune_weights
+    from flows.runtime.recovery import prune_weights
 
     layout = RunLayout(str(tmp_path), "r")
     for step in range(7):  # weights/actor/0..6, each committed

@@ -1,0 +1,160 @@
+"""The driver's side of a run: dispatching stages, skipping finished ones, checkpoints, resumption.
+
+The driver holds no model: the MLflow tracker, the KL controller's coefficient and where the run
+stands. `start_run` begins a run or, with run.resume, continues it from its latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefect.runtime import flow_run
+
+from components.algorithms import make_kl_controller
+from flows.config import Config, ConfigError, layout_for
+from flows.runtime.artifacts import PrefectArtifacts
+from flows.runtime.dispatch import RemoteStage
+from flows.runtime.recovery import (commit_checkpoint, driver_state, finished_stage_metrics, latest_checkpoint,
+                                    read_run_record, record_stage_metrics, run_record_path, write_run_record)
+from flows.runtime.residents import release_run
+from flows.runtime.system_metrics import start_system_metrics
+from flows.runtime.tracking import Tracker, tracking_uri
+
+
+@dataclass
+class Pending:
+    stage: object  # its declaration (flows/training/registry.py): name, role, task, output
+    step: int | None
+    handle: object = None
+    metrics: dict | None = None  # set when the stage had already finished (a resumed run)
+
+
+@dataclass
+class RunState:
+    config: Config
+    tracker: Tracker
+    kl_controller: object
+    artifacts: PrefectArtifacts
+    start_step: int = 0
+    logged: dict[str, int] = field(default_factory=dict)  # metric -> last step MLflow holds (resumed run)
+    history: list[dict[str, float]] = field(default_factory=list)
+    ahead: dict[int, Pending] = field(default_factory=dict)  # step -> its rollout, started a step early
+
+    def run(self, stage, *args) -> dict[str, float]:
+        """Run one stage and wait for it; return its metrics."""
+        return self.wait(self.submit(stage, *args))
+
+    def submit(self, stage, *args) -> Pending:
+        """Start a stage (its registry declaration) on its role's worker (execution=workers) or a thread of
+        this process, unless a resumed run finds it finished."""
+        trainer = self.config.trainer
+        step = args[0] if args else None
+        pending = Pending(stage, step)
+        if self.config.run.resume:
+            pending.metrics = finished_stage_metrics(layout_for(self.config), stage, step, self.config.samples_per_step)
+            if pending.metrics is not None:
+                return pending
+        if trainer.execution == "workers" and stage.role != "driver":
+            pending.handle = RemoteStage(stage.task, stage.name, stage.role, (self.config, *args),
+                                         worker_timeout_s=trainer.worker_timeout_s, worker_wait_s=trainer.worker_wait_s,
+                                         stage_timeout_s=trainer.stage_timeout_s)
+        else:
+            pending.handle = stage.task.with_options(retries=trainer.stage_retries).submit(self.config, *args)
+        return pending
+
+    def wait(self, pending: Pending) -> dict[str, float]:
+        if pending.metrics is not None:
+            return pending.metrics
+        if isinstance(pending.handle, RemoteStage):
+            result = pending.handle.result()
+            metrics = result["metrics"]
+            if (dispatch_s := pending.handle.dispatch_s(result)) is not None:
+                metrics = {**metrics, f"timing_s/dispatch_{pending.stage.name}": dispatch_s}
+        else:  # the timeout bounds the driver's wait: a thread running the stage cannot be interrupted
+            metrics = pending.handle.result(timeout=self.config.trainer.stage_timeout_s)["metrics"]
+        record_stage_metrics(layout_for(self.config), pending.stage, pending.step, metrics)
+        return metrics
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log, never twice for one metric and step, also across a resume."""
+        fresh = {key: value for key, value in metrics.items() if step > self.logged.get(key, -1)}
+        if fresh:
+            self.tracker.log_metrics(fresh, step=step)
+
+    def already_logged(self, step: int) -> bool:
+        return step <= self.logged.get("timing_s/step", -1)
+
+    def checkpoint(self, step: int, stages: list) -> None:
+        """Checkpoint the state at the start of `step`: roles first, then the driver and the pointer."""
+        for pending in [self.submit(stage, step) for stage in stages]:
+            self.wait(pending)
+        commit_checkpoint(layout_for(self.config), step, {"kl_controller": self.kl_controller.state_dict()},
+                          keep=self.config.trainer.keep_checkpoints)
+
+
+def for_this_flow_run(config: Config) -> Config:
+    """The run's final name (run.name_timestamp) and whether to resume (Prefect retrying the flow run)."""
+    run = config.run
+    if run.name_timestamp and not run.resume:
+        # The scheduled time, not the clock: a retried flow run must find the same folder.
+        start = flow_run.scheduled_start_time or datetime.datetime.now(datetime.timezone.utc)
+        run = run.model_copy(update={"name": f"{run.name}-{start:%Y%m%d-%H%M%S}", "name_timestamp": False})
+    config = config.model_copy(update={"run": run})
+    layout = layout_for(config)
+    if (flow_run.run_count or 1) > 1 and not run.resume and layout.exists(run_record_path(layout)):
+        config = config.model_copy(update={"run": run.model_copy(update={"resume": True})})
+    return config
+
+
+def start_run(config: Config) -> RunState:
+    """A new run (refusing to overwrite an earlier one by accident) or, with run.resume, the same run
+    continued: same MLflow run, the KL controller and the step of its latest checkpoint."""
+    layout = layout_for(config)
+    ctrl = config.algorithm.kl_ctrl
+    controller = make_kl_controller(ctrl.type, ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
+    release_run(config)
+    if config.precision_warning:
+        print(config.precision_warning)
+    if config.run.resume:
+        record = read_run_record(layout)
+        tracker = Tracker(config, run_id=record["mlflow_run_id"])
+        tracker.client.update_run(tracker.run_id, status="RUNNING")
+        start_step = latest_checkpoint(layout) or 0
+        if start_step:
+            controller.load_state_dict(driver_state(layout, start_step)["kl_controller"])
+        logged = {key: max((m.step for m in tracker.client.get_metric_history(tracker.run_id, key)), default=-1)
+                  for key in tracker.client.get_run(tracker.run_id).data.metrics}
+        state_kwargs = {"start_step": start_step, "logged": logged}
+    else:
+        if layout.exists(layout.run_dir):
+            if not config.run.overwrite:
+                raise ConfigError(
+                    f"run.name={config.run.name!r}: {layout.run_dir} already exists; choose another run.name, "
+                    "resume it (rlhf resume), or set run.overwrite=true to start it over")
+            layout.fs.rm(layout.run_dir, recursive=True)
+        layout.fs.makedirs(layout.run_dir, exist_ok=True)
+        tracker = Tracker(config)
+        write_run_record(layout, {"config": _with_absolute_paths(config), "mlflow_run_id": tracker.run_id,
+                                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat()})
+        state_kwargs = {}
+    start_system_metrics(config, "driver")
+    artifacts = PrefectArtifacts(config, tracker.uri, tracker.experiment_id, tracker.run_id)
+    return RunState(config=config, tracker=tracker, kl_controller=controller, artifacts=artifacts, **state_kwargs)
+
+
+def _with_absolute_paths(config: Config) -> dict:
+    """The config as recorded for `rlhf resume` / `rlhf export`: local paths made absolute, so that
+    they work from any working directory."""
+    def absolute(path):
+        return str(Path(path).resolve()) if path and Path(path).exists() else path
+
+    record = config.model_dump(mode="json")
+    record["model"]["path"] = absolute(record["model"]["path"])
+    record["data"]["train_files"] = [absolute(path) for path in record["data"]["train_files"]]
+    record["data"]["val_files"] = [absolute(path) for path in record["data"]["val_files"]]
+    record["run"]["storage_root"] = absolute(record["run"]["storage_root"])
+    if record["tracking"]["tracking_uri"].startswith("sqlite:///"):
+        record["tracking"]["tracking_uri"] = tracking_uri(config)
+    return record

@@ -1,0 +1,146 @@
+"""Recovery, in one place: the run record, checkpoints, finished stages, and which training state a
+trained role restores.
+
+Files, all under the run folder and all written atomically:
+    run.json                        the config and the MLflow run id (written when the run starts)
+    checkpoints/<k>/actor|critic/   role state at the start of step k (components/checkpoint.py)
+    checkpoints/<k>/driver.json     the KL controller at the start of step k
+    checkpoints/latest.json         {"step": k}, written after every part of checkpoint k
+    steps/<k>/<stage>.metrics.json  the metrics a finished stage returned, written after its output
+
+A stage declared skippable (flows/training/registry.py) is finished when its output validates
+(storage.validate_stage_file, or committed weights) and its metrics file exists; a resumed run does not
+run it again. Updates are never skipped: they restart from the restored checkpoint and rewrite their
+outputs identically.
+
+A trained role (actor, critic) holds the training state at the start of some step; a stage at step k
+needs step k's. `restore_point` says where a role built now starts (the latest checkpoint: where a
+resumed run restarts, and where a worker that replaces a dead one picks up); `state_source` says where
+a resident role holding another state gets step k's, or raises RoleStateError saying what to do.
+"""
+
+from __future__ import annotations
+
+from storage import COMMITTED_MARKER, RunLayout, read_json, validate_stage_file, write_json_atomic
+from storage.io import StorageFileError
+
+LATEST = object()
+"""The `restore` of a trained role's builder by default: the run's latest checkpoint, if any."""
+
+
+class RoleStateError(RuntimeError):
+    """A trained role's state is not the one the stage needs, and no checkpoint has it."""
+
+
+def run_record_path(layout: RunLayout) -> str:
+    return f"{layout.run_dir}/run.json"
+
+
+def write_run_record(layout: RunLayout, record: dict) -> None:
+    write_json_atomic(layout.fs, run_record_path(layout), record)
+
+
+def read_run_record(layout: RunLayout) -> dict:
+    path = run_record_path(layout)
+    if not layout.fs.exists(path):
+        raise ValueError(f"run {layout.run_name!r}: no {path}; nothing to resume (is run.storage_root right?)")
+    return read_json(layout.fs, path)
+
+
+def latest_checkpoint(layout: RunLayout) -> int | None:
+    path = f"{layout.run_dir}/checkpoints/latest.json"
+    if not layout.fs.exists(path):
+        return None
+    return int(read_json(layout.fs, path)["step"])
+
+
+def prune_weights(layout: RunLayout, newest: int, keep: int | None) -> list[int]:
+    """Delete the actor's published weights older than the newest `keep` (counted back from `newest`),
+    except step 0 and the steps that still have a checkpoint (a resume reloads the rollout from them).
+    Returns the deleted steps."""
+    if keep is None:
+        return []
+    protected = {0, *layout.step_folders(f"{layout.run_dir}/checkpoints")}
+    deleted = []
+    for step in layout.step_folders(f"{layout.run_dir}/weights/actor"):
+        if step <= newest - keep and step not in protected:
+            layout.fs.rm(layout.weights_dir("actor", step), recursive=True)
+            deleted.append(step)
+    return deleted
+
+
+def _driver_path(layout: RunLayout, step: int) -> str:
+    return f"{layout.checkpoint_dir(step)}/driver.json"
+
+
+def checkpoint_committed(layout: RunLayout, step: int) -> bool:
+    """Whether checkpoint `step` is whole: the driver's part is written last, after the roles'."""
+    return layout.fs.exists(_driver_path(layout, step))
+
+
+def commit_checkpoint(layout: RunLayout, step: int, driver_state: dict, keep: int) -> None:
+    """Record the driver's part, point `latest` at step k, then delete all but the newest `keep`."""
+    write_json_atomic(layout.fs, _driver_path(layout, step), driver_state)
+    write_json_atomic(layout.fs, f"{layout.run_dir}/checkpoints/latest.json", {"step": step})
+    for old in layout.step_folders(f"{layout.run_dir}/checkpoints")[:-keep]:
+        layout.fs.rm(layout.checkpoint_dir(old), recursive=True)
+
+
+def driver_state(layout: RunLayout, step: int) -> dict:
+    return read_json(layout.fs, _driver_path(layout, step))
+
+
+def restore_point(layout: RunLayout, role: str, restore: int | None | object = LATEST) -> tuple[int | None, str | None]:
+    """(checkpoint step, the role's folder in it) to build a trained role from; (None, None): the initial
+    weights. `restore`: a checkpoint step, None for the initial weights, or LATEST: the run's latest
+    checkpoint (a new run's folder holds none: start_run refuses or clears an existing one)."""
+    step = latest_checkpoint(layout) if restore is LATEST else restore
+    return step, None if step is None else f"{layout.checkpoint_dir(step)}/{role}"
+
+
+def state_source(layout: RunLayout, role: str, step: int, held: int | None, stage: str) -> int | None:
+    """Where a trained role holding the state of step `held` (None: unknown, an update stopped midway)
+    gets the state at the start of `step`: the checkpoint of `step`, or None for the initial weights
+    (step 0). Raises RoleStateError, with what to do, when neither has it."""
+    if checkpoint_committed(layout, step):
+        return step
+    if step == 0:
+        return None
+    latest = latest_checkpoint(layout)
+    state = "no known step (an update stopped midway)" if held is None else f"step {held}"
+    raise RoleStateError(
+        f"stage {stage} at step {step}: the {role} holds the training state of {state} and no checkpoint has "
+        f"step {step}'s (its worker was replaced, or an attempt of the stage stopped midway); resume the run: "
+        f"rlhf resume {layout.run_name} (restarts at {'the start' if latest is None else f'step {latest}'})")
+
+
+def _metrics_path(layout: RunLayout, stage: str, step: int | None) -> str:
+    if step is None:
+        return f"{layout.run_dir}/{stage}.metrics.json"
+    return f"{layout.step_dir(step)}/{stage}.metrics.json"
+
+
+def record_stage_metrics(layout: RunLayout, stage, step: int | None, metrics: dict) -> None:
+    """Keep a skippable stage's metrics beside its output (`stage`: its registry declaration)."""
+    if stage.skippable:
+        write_json_atomic(layout.fs, _metrics_path(layout, stage.name, step), metrics)
+
+
+def _output_written(layout: RunLayout, stage, step: int | None, expected_rows: int | None) -> bool:
+    if stage.output.startswith("weights/"):  # the warm-start's policy: weights/<role>/0
+        return layout.fs.exists(f"{layout.weights_dir(stage.output.split('/')[1], step or 0)}/{COMMITTED_MARKER}")
+    return validate_stage_file(layout, step, stage.output, expected_rows=expected_rows if stage.per_sample else None)
+
+
+def finished_stage_metrics(layout: RunLayout, stage, step: int | None, expected_rows: int | None) -> dict | None:
+    """The stored metrics of a finished stage (`stage`: its registry declaration), or None when it must
+    run (not skippable; output or metrics missing, partial or corrupt)."""
+    if not stage.skippable:
+        return None
+    metrics_path = _metrics_path(layout, stage.name, step)
+    if not layout.fs.exists(metrics_path) or not _output_written(layout, stage, step, expected_rows):
+        return None
+    try:
+        return read_json(layout.fs, metrics_path)
+    except StorageFileError:
+        return None

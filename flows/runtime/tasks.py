@@ -1,0 +1,77 @@
+"""A stage as a Prefect task: what the runtime adds around a stage function, and fault injection.
+
+In the flow's own process the task only runs the function. In a role's worker it also marks the task
+run in the worker's heartbeat (so the driver tells a slow stage from a dead worker), replays the call
+on the other ranks of a sharded role, drops the models of an earlier run with the same name, starts
+the worker's system metrics once the run's MLflow run exists, and leaves the result for the driver
+(flows/runtime/dispatch.py). None of this is the algorithm's business.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from typing import Callable
+
+import fsspec
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import task_run
+
+from components.distributed import broadcast_call, is_distributed
+from flows.runtime import worker
+from flows.runtime.residents import forget_earlier_run
+from flows.runtime.system_metrics import start_system_metrics
+
+
+def inject_failure(stage: str, step) -> None:
+    """Fault injection for tests and recovery drills: RLHF_INJECT_FAILURE=stage:step fails that stage (a
+    stage without a step, the warm-start, is `warm_start:None`);
+    stage:step:kill SIGKILLs the process that runs it (its role's worker under trainer.execution=workers),
+    once (a marker in the heartbeat folder remembers), as a lost machine would: no exception, no final
+    state."""
+    target = os.environ.get("RLHF_INJECT_FAILURE", "")
+    if not target:
+        return
+    if target == f"{stage}:{step}":
+        raise RuntimeError(f"injected failure in stage {stage} at step {step} (RLHF_INJECT_FAILURE={target})")
+    if target == f"{stage}:{step}:kill":
+        fs, root = fsspec.core.url_to_fs(worker.heartbeat_dir())
+        marker = f"{root.rstrip('/')}/injected-kill-{stage}-{step}"
+        if not fs.exists(marker):
+            fs.makedirs(root, exist_ok=True)
+            fs.touch(marker)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stage_task(function: Callable[..., dict], name: str):
+    """The Prefect task of one stage function `function(config, *args)`."""
+
+    @functools.wraps(function)
+    def run_stage(*args, **kwargs):
+        step = kwargs.get("step", args[1] if len(args) > 1 else None)
+        if worker.CURRENT is None:
+            inject_failure(name, step)
+            return function(*args, **kwargs)
+
+        # First thing: the heartbeat says this worker holds the run, so the driver can tell a run
+        # whose worker died (resubmit it) from one still waiting for a worker (flows.runtime.dispatch).
+        started_at = time.time()  # the driver logs the wait before the stage began (timing_s/dispatch_*)
+        with worker.CURRENT.running(str(task_run.id), name, step):
+            inject_failure(name, step)
+
+            if is_distributed():  # a sharded role: the other ranks run the same call in lockstep
+                broadcast_call((name, args, kwargs))
+            config = args[0] if args else kwargs["config"]
+            forget_earlier_run(config)
+            # Here, not at worker start: the MLflow run exists only once the driver has started the flow.
+            start_system_metrics(config, worker.CURRENT.state["role"])
+            result = {**function(*args, **kwargs), "worker_started_at": started_at}
+            worker.publish_result(str(task_run.id), result)  # the driver's fast path (flows.runtime.dispatch)
+            return result
+
+    # No tags: a tagged task asks the server for tag concurrency slots on every run, which cost
+    # about 2 s per stage here even with no limits defined.
+    return task(run_stage, name=name, cache_policy=NO_CACHE)

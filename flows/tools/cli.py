@@ -1,0 +1,289 @@
+"""`rlhf`: the command line.
+
+    rlhf quickstart                      # tiny model + arithmetic task + GRPO on this machine
+    rlhf train configs/quickstart.yaml trainer.total_steps=5
+    rlhf config show configs/grpo.yaml actor.optim.lr=1e-5
+    rlhf make-tiny-model .rlhf/models/tiny-qwen2
+    rlhf make-data arithmetic .rlhf/data/arithmetic
+    rlhf resume RUN                      # continue a failed run at its first unfinished stage
+    rlhf export RUN [STEP]               # a Hugging Face folder of the trained policy
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from flows.training.registry import WORKER_ROLES
+
+# Sums of two numbers in 0..49: 2,500 distinct problems, 2,000 for training, 200 held out.
+QUICKSTART_TASK = {"train_size": 2000, "validation_size": 200, "high": 49, "seed": 0}
+DEFAULT_STORAGE_ROOT = ".rlhf/runs"
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _quickstart_config(overrides: list[str]):
+    from flows.config import load_config
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return load_config(REPO_CONFIGS / "quickstart.yaml", [f"run.name=quickstart-{stamp}", *overrides])
+
+
+def _ensure_quickstart_inputs(config) -> None:
+    """The quickstart makes its own model and data (nothing can be downloaded)."""
+    from components.tasks.arithmetic import ensure_arithmetic_dataset
+    from components.tiny import build_tiny_model
+
+    if not Path(config.model.path, "config.json").exists():
+        print(f"building the tiny model at {config.model.path}")
+        build_tiny_model(config.model.path)
+    data_dir = Path(config.data.train_files[0]).parent
+    ensure_arithmetic_dataset(data_dir, **QUICKSTART_TASK)
+
+
+def run_training(config, start_workers: bool = False) -> dict:
+    from flows.training.run import run_training as run
+
+    summary, flow_run_id = run(config, start_workers=start_workers)
+    _print_where_to_look(config, summary, flow_run_id)
+    return summary
+
+
+def _print_where_to_look(config, summary: dict, flow_run_id) -> None:
+    from flows.runtime.launcher import DEFAULT_PREFECT_HOME
+    from flows.runtime.tracking import Tracker, tracking_uri
+
+    bin_dir = Path(sys.executable).parent
+    experiment_id = Tracker(config, run_id=summary["mlflow_run_id"]).experiment_id
+    prefect_home = os.environ.get("PREFECT_HOME") or str(DEFAULT_PREFECT_HOME.resolve())
+    print("\nfinished. Where to look:")
+    print(f"  run folder   {summary['run_dir']}")
+    if "export_dir" in summary:
+        print(f"  final model  {summary['export_dir']}  (Hugging Face folder; also in MLflow under model/)")
+    print(f"  MLflow run   {summary['mlflow_run_id']}")
+    print(f"     view:     {bin_dir}/mlflow ui --backend-store-uri {tracking_uri(config)}")
+    print(f"               then http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{summary['mlflow_run_id']}")
+    print(f"  Prefect run  {flow_run_id}")
+    if not os.environ.get("PREFECT_API_URL"):
+        print(f"     view:     PREFECT_HOME={prefect_home} {bin_dir}/prefect server start")
+        print(f"               then http://127.0.0.1:4200/runs/flow-run/{flow_run_id}")
+    labels = {"val_reward_before_warm_start": "validation reward before warm-start",
+              "val_reward_start": "validation reward before RL", "val_reward_end": "validation reward at the end"}
+    for key, label in labels.items():
+        if key in summary:
+            print(f"  {label:<37} {summary[key]:.3f}")
+
+
+def cmd_quickstart(args) -> int:
+    config = _quickstart_config(args.overrides)
+    _ensure_quickstart_inputs(config)
+    run_training(config)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from flows.config import load_config
+
+    run_training(load_config(args.config, args.overrides))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from flows.config import load_config
+
+    run_training(load_config(args.config, ["trainer.execution=workers", *args.overrides]), start_workers=True)
+    return 0
+
+
+def cmd_resume(args) -> int:
+    from flows.config import build_config
+    from flows.runtime.recovery import read_run_record
+    from storage import RunLayout
+
+    record = read_run_record(RunLayout(args.storage_root, args.run))
+    config = build_config(record["config"], ["run.resume=true", "run.overwrite=false", *args.overrides])
+    run_training(config, start_workers=config.trainer.execution == "workers")
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from flows.runtime.worker import follow, pin_devices, serve_role
+
+    visible = pin_devices(args.devices)  # before anything imports torch in this process
+    from flows.training.registry import SHARDED_ROLES, role_stages
+    from flows.training.stages import STAGES  # importing the stages fills the registry
+
+    if args.follower:
+        follow({name: spec.function for name, spec in STAGES.items() if spec.role == args.role and spec.all_ranks})
+    else:
+        serve_role(args.role, visible, [spec.task for spec in role_stages(args.role)], args.heartbeat_dir,
+                   preload=args.preload, sharded=args.role in SHARDED_ROLES)
+    return 0
+
+
+def cmd_config_show(args) -> int:
+    from flows.config import load_config
+
+    path, overrides = args.config, list(args.overrides)
+    if path is not None and "=" in path and not Path(path).exists():  # only overrides were given
+        path, overrides = None, [path, *overrides]
+    config = load_config(path, overrides)
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def cmd_make_tiny_model(args) -> int:
+    from components.tiny import PRESETS, build_tiny_model
+
+    print(build_tiny_model(args.output_dir, PRESETS[args.preset]))
+    return 0
+
+
+def cmd_make_data(args) -> int:
+    from components.tasks.arithmetic import write_arithmetic_dataset
+
+    for split, path in write_arithmetic_dataset(args.output_dir, train_size=args.train_size,
+                                                validation_size=args.validation_size, seed=args.seed).items():
+        print(f"{split}: {path}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from flows.training.export import export_run
+
+    path = export_run(args.storage_root, args.run, step=args.step, output=args.output, tokenizer=args.tokenizer)
+    print(path)
+    return 0
+
+
+def add_export_parser(subcommands):
+    """Add the `export` subcommand to an argparse subparsers object; return its parser."""
+    parser = subcommands.add_parser(
+        "export", help="write a run's policy as a Hugging Face folder (transformers, vLLM)",
+        description="Write the actor weights of a run (safetensors, config.json, generation_config.json) "
+                    "with its tokenizer into one folder that AutoModelForCausalLM / AutoTokenizer "
+                    ".from_pretrained and vLLM load as is. Prints the folder.\n\nexamples:\n"
+                    "  rlhf export exp1                          # latest step -> .rlhf/runs/exp1/export/step-<k>\n"
+                    "  rlhf export exp1 40 --output models/exp1-step40\n"
+                    "  rlhf export old-run --tokenizer .rlhf/models/tiny-qwen2   # a run without run.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", help="run name (the folder under --storage-root)")
+    parser.add_argument("step", nargs="?", type=int, default=None,
+                        help="step whose weights to export (default: the latest committed)")
+    parser.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT,
+                        help=f"the runs' storage root, a local path or fsspec URI (default: {DEFAULT_STORAGE_ROOT})")
+    parser.add_argument("--output", default=None,
+                        help="folder to write (default: <storage-root>/<run>/export/step-<k>); replaced only "
+                             "when it is an earlier export")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder or hub name (default: model.path from the run's run.json)")
+    parser.set_defaults(handler=cmd_export)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf", description=__doc__.replace("\n\n", "\n\nexamples:\n", 1),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    overrides_help = "key.path=value overrides, e.g. trainer.total_steps=10 actor.optim.lr=1e-5"
+
+    quick = commands.add_parser("quickstart", help="train the tiny model on arithmetic (CPU is fine)",
+                                description="Make a tiny model and an arithmetic task, then run GRPO with a local "
+                                            "Prefect server and MLflow on SQLite.\n\nexample: rlhf quickstart trainer.total_steps=10",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    quick.add_argument("overrides", nargs="*", help=overrides_help)
+    quick.set_defaults(handler=cmd_quickstart)
+
+    train = commands.add_parser("train", help="run the training flow from a config file",
+                                description="example: rlhf train configs/quickstart.yaml run.name=exp1 trainer.total_steps=20",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("config", help="YAML config file (sections as in `rlhf config show`)")
+    train.add_argument("overrides", nargs="*", help=overrides_help)
+    train.set_defaults(handler=cmd_train)
+
+    run = commands.add_parser("run", help="train with one worker per role, placed on GPUs as configured",
+                              description="Validate the placement, start a local Prefect server (unless PREFECT_API_URL "
+                                          "is set), one worker per role pinned to its devices, run the flow, stop "
+                                          "everything on exit.\n\nexample: rlhf run configs/quickstart.yaml "
+                                          "placement.roles.actor=[1] placement.roles.rollout=[0]",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("config", help="YAML config file")
+    run.add_argument("overrides", nargs="*", help=overrides_help)
+    run.set_defaults(handler=cmd_run)
+
+    resume = commands.add_parser("resume", help="continue a failed or stopped run from its latest checkpoint",
+                                 description="Stages whose committed output exists and validates are not run again; "
+                                             "the MLflow run continues.\n\nexample: rlhf resume quickstart-20261130-075143",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    resume.add_argument("run", help="run name (the folder under the storage root)")
+    resume.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.total_steps=400 to extend it")
+    resume.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT, help=f"where the run folder is (default {DEFAULT_STORAGE_ROOT})")
+    resume.set_defaults(handler=cmd_resume)
+
+    worker = commands.add_parser("worker", help="serve one role's stages (a long-lived Prefect task worker)",
+                                 description="example: PREFECT_API_URL=http://head:4200/api RLHF_WORKER_DIR=/shared/workers "
+                                             "rlhf worker --role actor --devices 0,1")
+    worker.add_argument("--role", required=True, choices=WORKER_ROLES)
+    worker.add_argument("--devices", default="cpu", help="cpu, or GPU indices relative to CUDA_VISIBLE_DEVICES: 0,1")
+    worker.add_argument("--heartbeat-dir", default=None,
+                        help="folder (local or fsspec URI) the driver reads liveness from; default $RLHF_WORKER_DIR")
+    worker.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                        help="import MODULE before serving (repeatable; `rlhf run` passes vllm to a vLLM rollout's worker)")
+    worker.add_argument("--follower", action="store_true", help=argparse.SUPPRESS)  # ranks > 0 of a sharded role
+    worker.set_defaults(handler=cmd_worker)
+
+    from flows.tools.compare import add_compare_parser
+    from flows.tools.doctor import add_doctor_parser
+
+    add_compare_parser(commands)
+    add_doctor_parser(commands)
+    add_export_parser(commands)
+
+    config = commands.add_parser("config", help="inspect configurations",
+                                 description="example: rlhf config show configs/quickstart.yaml trainer.total_steps=5")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    show = config_commands.add_parser("show", help="print the fully resolved config with defaults",
+                                      description="example: rlhf config show configs/quickstart.yaml actor.optim.lr=1e-5")
+    show.add_argument("config", nargs="?", help="YAML config file (defaults only when omitted)")
+    show.add_argument("overrides", nargs="*", help=overrides_help)
+    show.set_defaults(handler=cmd_config_show)
+
+    from components.tiny import PRESETS
+
+    tiny = commands.add_parser("make-tiny-model", help="write a random tiny Qwen2 model and tokenizer",
+                               description="example: rlhf make-tiny-model .rlhf/models/tiny-qwen2")
+    tiny.add_argument("output_dir")
+    tiny.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                      help="model shape: tiny (CPU tests) or the shape of a Qwen2.5 model (GPU work)")
+    tiny.set_defaults(handler=cmd_make_tiny_model)
+
+    data = commands.add_parser("make-data", help="write a synthetic task in verl's Parquet format",
+                               description="example: rlhf make-data arithmetic .rlhf/data/arithmetic")
+    data.add_argument("task", choices=["arithmetic"])
+    data.add_argument("output_dir")
+    data.add_argument("--train-size", type=int, default=2000)
+    data.add_argument("--validation-size", type=int, default=200)
+    data.add_argument("--seed", type=int, default=0)
+    data.set_defaults(handler=cmd_make_data)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, OSError) as error:  # user errors (config, data, paths): one line, no traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

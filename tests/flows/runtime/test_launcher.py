@@ -1,0 +1,23 @@
+"""flows.runtime.launcher.print_worker_summary: one line per worker heartbeat, a dead (replaced) worker marked."""
+
+from __future__ import annotations
+
+import json
+
+from flows.runtime.launcher import print_worker_summary
+
+
+def test_a_worker_whose_heartbeat_stopped_is_marked_gone(tmp_path, capsys):
+    def write(pid, beat, finished):
+        (tmp_path / f"reward-host-{pid}.json").write_text(json.dumps(
+            {"role": "reward", "pid": pid, "devices": "", "started": pid, "beat": beat, "running": [],
+             "finished": finished, "load_counts": {"reward": 1}}))
+
+    write(11, beat=1000.0, finished=[["reward", 0]])  # killed at 1000
+    write(12, beat=1059.5, finished=[["reward", 1]])  # its replacement, beating
+    print_worker_summary(str(tmp_path), now=1060.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "worker reward    pid 11 devices cpu stages run 1 model loads {'reward': 1} (gone: last heartbeat 60 s ago)",
+        "worker reward    pid 12 devices cpu stages run 1 model loads {'reward': 1}",
+    ]

@@ -1,0 +1,46 @@
+"""flows.runtime.tasks: fault injection (RLHF_INJECT_FAILURE) and a stage task run in the flow's own process."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.runtime import worker
+from flows.runtime.tasks import inject_failure, stage_task
+
+
+def test_the_named_stage_at_the_named_step_fails_and_no_other(monkeypatch):
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "reward:2")
+    with pytest.raises(RuntimeError, match=r"injected failure in stage reward at step 2 \(RLHF_INJECT_FAILURE=reward:2\)"):
+        inject_failure("reward", 2)
+    inject_failure("reward", 1)  # another step
+    inject_failure("reward", 12)  # not a prefix match
+    inject_failure("reference", 2)  # another stage
+    inject_failure("rewards", 2)
+
+
+def test_nothing_is_injected_without_the_variable_or_for_a_kill_of_another_step(monkeypatch):
+    monkeypatch.delenv("RLHF_INJECT_FAILURE", raising=False)
+    inject_failure("reward", 2)
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "")
+    inject_failure("reward", 2)
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "reward:3:kill")  # this process would be killed at step 3 only
+    inject_failure("reward", 2)
+    inject_failure("reference", 3)
+
+
+def test_a_stage_task_in_the_flows_process_injects_by_the_step_argument_then_runs_the_function(monkeypatch):
+    monkeypatch.setattr(worker, "CURRENT", None)  # not a worker: the task only runs the function
+    calls = []
+
+    def reward(config, step):
+        calls.append((config, step))
+        return {"path": f"steps/{step}/reward.parquet", "metrics": {}}
+
+    run = stage_task(reward, "reward").fn
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "reward:2")
+    assert run("config", 1) == {"path": "steps/1/reward.parquet", "metrics": {}}
+    with pytest.raises(RuntimeError, match="stage reward at step 2"):
+        run("config", 2)
+    with pytest.raises(RuntimeError, match="stage reward at step 2"):
+        run("config", step=2)
+    assert calls == [("config", 1)]  # the injected failure comes before the stage runs

@@ -1,0 +1,140 @@
+"""`flows.training.export` on a simulated run folder: weights as update_actor publishes them, tokenizer from run.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flows.tools.cli import add_export_parser, cmd_export
+from flows.training.export import EXPORT_INFO, export_run
+from storage import RunLayout, atomic_directory
+from storage.layout import COMMITTED_MARKER
+
+RUN = "exp"
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from components.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def _perturbed(model_dir: Path, seed: int):
+    """The tiny model with weights changed by `seed`, as an RL update would leave it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.01)
+    return model
+
+
+def _publish(layout: RunLayout, step: int, model) -> dict[str, torch.Tensor]:
+    """Publish weights like flows.training.stages.update_actor does (no tokenizer files); return the tensors."""
+    with atomic_directory(layout.fs, layout.weights_dir("actor", step)) as local:
+        model.save_pretrained(local)
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+@pytest.fixture()
+def run_root(tmp_path, tiny_model_dir):
+    """A run folder with committed actor weights at steps 2 and 3, a partial step 4 and run.json."""
+    root = tmp_path / "runs"
+    layout = RunLayout(str(root), RUN)
+    sources = {step: _publish(layout, step, _perturbed(tiny_model_dir, seed=step)) for step in (2, 3)}
+    partial = Path(layout.weights_dir("actor", 4))  # a crashed write: no marker, must never be exported
+    partial.mkdir(parents=True)
+    (partial / "config.json").write_text("{}")
+    (Path(layout.run_dir) / "run.json").write_text(json.dumps(
+        {"config": {"model": {"path": str(tiny_model_dir), "trust_remote_code": False}}, "started": "now"}))
+    return root, sources
+
+
+def _assert_loads_with(export: Path, expected: dict[str, torch.Tensor], tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(export)
+    state = model.state_dict()
+    assert set(state) == set(expected)
+    for name, tensor in expected.items():
+        assert state[name].dtype == tensor.dtype, name
+        assert torch.equal(state[name], tensor), name
+
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    original = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "12+34=46 <|im_end|> é"
+    ids = tokenizer(text)["input_ids"]
+    assert ids == original(text)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.eos_token_id == original.eos_token_id and tokenizer.pad_token_id == original.pad_token_id
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False) == "1+2="
+    assert model.generation_config.eos_token_id == original.eos_token_id
+
+
+def test_export_defaults_to_latest_committed_step(run_root, tiny_model_dir, capsys):
+    root, sources = run_root
+    parser = argparse.ArgumentParser()
+    add_export_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["export", RUN, "--storage-root", str(root)])
+    assert args.handler is cmd_export and args.step is None
+
+    assert cmd_export(args) == 0
+    export = Path(capsys.readouterr().out.strip())
+    assert export == root / RUN / "export" / "step-3"  # 4 has no _COMMITTED marker
+    names = {path.name for path in export.iterdir()}
+    assert COMMITTED_MARKER not in names
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json",
+            "tokenizer.json"} <= names
+    assert not any(".tmp-" in path.name for path in export.parent.iterdir())
+    info = json.loads((export / EXPORT_INFO).read_text())
+    assert info["run"] == RUN and info["step"] == 3 and info["tokenizer"] == str(tiny_model_dir)
+    _assert_loads_with(export, sources[3], tiny_model_dir)
+
+
+def test_export_explicit_step_and_output(run_root, tiny_model_dir, tmp_path):
+    root, sources = run_root
+    output = tmp_path / "out" / "exp-step2"
+    assert export_run(str(root), RUN, step=2, output=output) == output
+    _assert_loads_with(output, sources[2], tiny_model_dir)
+    # Exporting again replaces the earlier export in place.
+    assert export_run(str(root), RUN, step=3, output=str(output)) == output
+    _assert_loads_with(output, sources[3], tiny_model_dir)
+    assert sorted(path.name for path in output.parent.iterdir()) == ["exp-step2"]
+
+
+def test_missing_step_lists_the_available_steps(run_root):
+    root, _ = run_root
+    with pytest.raises(ValueError, match=r"step 4 has no committed actor weights; available steps: 2, 3"):
+        export_run(str(root), RUN, step=4)
+    with pytest.raises(ValueError, match=r"step 7 .* available steps: 2, 3"):
+        export_run(str(root), RUN, step=7)
+    assert not (root / RUN / "export").exists()
+
+
+def test_missing_run_json_needs_tokenizer_option(run_root, tiny_model_dir, tmp_path):
+    root, sources = run_root
+    (root / RUN / "run.json").unlink()
+    with pytest.raises(ValueError, match=r"run\.json does not exist.*--tokenizer PATH"):
+        export_run(str(root), RUN)
+    assert not (root / RUN / "export").exists()  # nothing half-written
+    export = export_run(str(root), RUN, tokenizer=str(tiny_model_dir))
+    _assert_loads_with(export, sources[3], tiny_model_dir)
+
+
+def test_refuses_to_replace_an_unrelated_folder_and_unknown_runs(run_root, tmp_path):
+    root, _ = run_root
+    unrelated = tmp_path / "precious"
+    unrelated.mkdir()
+    (unrelated / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="is not an earlier export"):
+        export_run(str(root), RUN, output=unrelated)
+    assert (unrelated / "notes.txt").read_text() == "keep me"
+    with pytest.raises(ValueError, match="no run folder"):
+        export_run(str(root), "nope")

@@ -1,0 +1,73 @@
+"""flows.training.roles: trained_role hands a stage the actor or critic holding the training state it needs,
+rebuilt from the step's checkpoint (flows.runtime.recovery) when the resident one holds another."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flows.config import build_config, layout_for
+from flows.runtime.recovery import LATEST, RoleStateError, restore_point
+from flows.runtime.residents import release_run
+from flows.training import roles
+from flows.training.roles import trained_role
+
+
+class _Role:
+    def __init__(self, restored):
+        self.restored, self.state_step, self.closed = restored, restored or 0, False
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def trained(tmp_path, monkeypatch):
+    """A config whose run folder has committed checkpoints 1 and 3 (latest 3), and an actor builder
+    that records which checkpoint it was asked to restore (None: the initial weights)."""
+    config = build_config({"run": {"name": "r", "storage_root": str(tmp_path)}})
+    layout = layout_for(config)
+    for step in (1, 3):
+        folder = tmp_path / "r" / "checkpoints" / str(step)
+        assert layout.checkpoint_dir(step) == str(folder), layout.checkpoint_dir(step)
+        folder.mkdir(parents=True)
+        (folder / "driver.json").write_text("{}")
+    (tmp_path / "r" / "checkpoints" / "latest.json").write_text(json.dumps({"step": 3}))
+    built = []
+
+    def build(config, restore=LATEST):
+        built.append(_Role(restore_point(layout_for(config), "actor", restore)[0]))
+        return built[-1]
+
+    monkeypatch.setitem(roles.BUILDERS, "actor", build)
+    yield config, built
+    release_run(config)
+
+
+def test_a_role_holding_the_needed_state_is_used_as_it_is(trained):
+    config, built = trained
+    first = trained_role(config, "actor", 3, "update_actor")  # built from the latest checkpoint
+    assert [role.restored for role in built] == [3]
+    assert trained_role(config, "actor", 3, "old_logprobs") is first and len(built) == 1
+
+
+def test_a_role_left_midway_is_rebuilt_from_the_checkpoint_of_the_step(trained):
+    config, built = trained
+    trained_role(config, "actor", 3, "update_actor").state_step = None  # an update that raised midway
+    again = trained_role(config, "actor", 3, "update_actor")
+    assert [role.restored for role in built] == [3, 3] and again is built[1] and built[0].closed
+    again.state_step = 5  # e.g. a long-lived worker that ran further
+    assert trained_role(config, "actor", 1, "checkpoint_actor").restored == 1
+    assert trained_role(config, "actor", 0, "old_logprobs").restored is None  # step 0: the initial weights
+    assert [role.restored for role in built] == [3, 3, 1, None]
+
+
+def test_a_state_no_checkpoint_has_fails_with_one_line_saying_what_to_do(trained):
+    config, _ = trained
+    with pytest.raises(RoleStateError) as error:
+        trained_role(config, "actor", 2, "update_actor")
+    assert str(error.value) == (
+        "stage update_actor at step 2: the actor holds the training state of step 3 and no checkpoint has step 2's "
+        "(its worker was replaced, or an attempt of the stage stopped midway); resume the run: rlhf resume r "
+        "(restarts at step 3)")
