@@ -51,7 +51,7 @@ def main() -> None:
         "data": {"train_files": [str(data["train"])], "val_files": [str(data["validation"])],
                  "max_prompt_length": 16, "prompts_per_step": 4, "max_val_prompts": 4},
         "rollout": {"n": 4, "max_new_tokens": 4, "engine": "hf"},
-        "actor": {"ppo_mini_batch_size": 16, "micro_batch_size": 16, "use_kl_loss": False},
+        "actor": {"ppo_mini_batch_size": 4, "micro_batch_size": 16, "use_kl_loss": False},
         "trainer": {"total_steps": args.steps + 1, "val_every": 0, "checkpoint_every": 0, "device": "cpu",
                     "execution": "workers"},
         "placement": {"default": "cpu"},

@@ -107,9 +107,9 @@ def product_config(args, model_dir: Path, data: Path, work: Path) -> dict:
                  "prompts_per_step": args.prompts, "max_val_prompts": 8},
         "rollout": {"engine": "vllm", "n": args.n, "max_new_tokens": args.response_tokens, "ignore_eos": True,
                     "temperature": 1.0, **({} if args.device == "cuda" else {"kv_cache_gib": 1.0})},
-        "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": args.prompts * args.n,
+        "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": args.prompts,
                   "micro_batch_size": args.micro_batch, "use_kl_loss": False},
-        "critic": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": args.prompts * args.n,
+        "critic": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": args.prompts,
                    "micro_batch_size": args.micro_batch},
         "algorithm": {"adv_estimator": "grpo" if grpo else "gae"},
         # digits: TRL's bench reward. exact_match against the prompts' ground truth "0" scores 0 for every random

@@ -94,7 +94,7 @@ def main() -> None:
         "model": {"path": str(model_dir), "dtype": "bfloat16" if args.device == "cuda" else "float32"},
         "data": {"prompts_per_step": max(1, samples // 8), "max_prompt_length": args.prompt_tokens},
         "rollout": {"n": 8, "max_new_tokens": args.response_tokens},
-        "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": samples, "micro_batch_size": args.micro_batch,
+        "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": max(1, samples // 8), "micro_batch_size": args.micro_batch,
                   "use_kl_loss": False},
         "algorithm": {"adv_estimator": "grpo"},
         "trainer": {"device": args.device},

@@ -32,10 +32,12 @@ class ActorConfig(Section):
     """Optimizer of the policy."""
     ppo_epochs: int = Field(1, gt=0)
     """Passes over each step's batch."""
-    ppo_mini_batch_size: int = Field(256, gt=0)
-    """Samples per optimizer step."""
-    micro_batch_size: int = Field(64, gt=0)
-    """Samples per forward/backward (gradient accumulation over a mini-batch)."""
+    ppo_mini_batch_size: int = Field(32, gt=0)
+    """Prompts per optimizer step, as verl counts them: each mini-batch holds their samples, this many times
+    rollout.n (the actor's `samples_per_prompt`)."""
+    micro_batch_size: int = Field(32, gt=0)
+    """Samples per forward/backward (gradient accumulation over a mini-batch), as verl's
+    ppo_micro_batch_size_per_gpu."""
     policy_loss: str = "ppo"
     """Registered policy loss (components.algorithms.losses)."""
     clip_ratio_low: float = Field(0.2, ge=0)
@@ -99,19 +101,21 @@ def sequence_logprobs(
 class Actor:
     """Policy model + optimizer. `temperature` must match the rollout's sampling temperature."""
 
-    def __init__(self, model, tokenizer, config=None, *, temperature: float = 1.0, seed: int = 0, fused: bool = True):
+    def __init__(self, model, tokenizer, config=None, *, temperature: float = 1.0, seed: int = 0, fused: bool = True,
+                 samples_per_prompt: int = 1):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or ActorConfig()
         self.temperature = temperature
         self.fused = fused
         """Log-probs and entropy by the fused kernel on CUDA (model.fused_logprobs)."""
-        self.updater = Updater(model, self.config, seed)
+        self.updater = Updater(model, self.config, seed, samples_per_prompt)
+        """Its mini-batches hold config.ppo_mini_batch_size x samples_per_prompt (rollout.n) samples."""
 
     @classmethod
     def from_pretrained(cls, path: str, config=None, *, dtype="float32", master_dtype="float32", device="auto",
                         attn_implementation="auto", trust_remote_code=False, temperature=1.0, seed=0, fused=True,
-                        gradient_checkpointing=False):
+                        gradient_checkpointing=False, samples_per_prompt=1):
         """dtype: the compute dtype; master_dtype: the parameters' and optimizer state's (components.precision:
         float32 masters computing in bf16 under autocast, or FSDP2's mixed precision when sharded)."""
         precision = Precision.of(dtype, master_dtype)
@@ -119,7 +123,8 @@ class Actor:
                                attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
         prepare_trained_model(model, precision, gradient_checkpointing)
         tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
-        return cls(model, tokenizer, config, temperature=temperature, seed=seed, fused=fused)
+        return cls(model, tokenizer, config, temperature=temperature, seed=seed, fused=fused,
+                   samples_per_prompt=samples_per_prompt)
 
     @property
     def device(self) -> torch.device:
@@ -142,9 +147,9 @@ class Actor:
         config = self.config
         if config.use_kl_loss and ref_logprobs is None:
             raise ValueError("actor.use_kl_loss=true needs reference log-probs")
-        if old_logprobs is None and (config.ppo_epochs != 1 or config.ppo_mini_batch_size < batch.size):
-            raise ValueError("old_logprobs=None needs an on-policy update: actor.ppo_epochs=1 and "
-                             f"actor.ppo_mini_batch_size >= {batch.size} (the batch)")
+        if old_logprobs is None and (config.ppo_epochs != 1 or self.updater.mini_batch_samples < batch.size):
+            raise ValueError("old_logprobs=None needs an on-policy update: actor.ppo_epochs=1 and a mini-batch of "
+                             f"at least {batch.size} samples (the batch)")
         policy_loss = get_policy_loss(config.policy_loss)
         device = self.device
         gap: dict[str, torch.Tensor] = {}

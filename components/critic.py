@@ -25,9 +25,9 @@ class CriticConfig(Section):
     """Optimizer of the critic."""
     ppo_epochs: int = Field(1, gt=0)
     """Passes over each step's batch."""
-    ppo_mini_batch_size: int = Field(256, gt=0)
-    """Samples per optimizer step."""
-    micro_batch_size: int = Field(64, gt=0)
+    ppo_mini_batch_size: int = Field(32, gt=0)
+    """Prompts per optimizer step, as verl counts them (this many times rollout.n samples)."""
+    micro_batch_size: int = Field(32, gt=0)
     """Samples per forward/backward."""
     cliprange_value: float = Field(0.5, gt=0)
     """Value clipping range."""
@@ -44,17 +44,17 @@ def response_values(model, batch: SequenceBatch) -> torch.Tensor:
 
 
 class Critic:
-    def __init__(self, model, config=None, *, seed: int = 0):
+    def __init__(self, model, config=None, *, seed: int = 0, samples_per_prompt: int = 1):
         self.model = model
         self.config = config or CriticConfig()
-        self.updater = Updater(model, self.config, seed)
+        self.updater = Updater(model, self.config, seed, samples_per_prompt)
 
     @classmethod
     def from_pretrained(cls, path: str, config=None, *, dtype="float32", master_dtype="float32", device="auto",
-                        attn_implementation="auto", trust_remote_code=False, seed=0, gradient_checkpointing=False):
+                        attn_implementation="auto", trust_remote_code=False, seed=0, gradient_checkpointing=False,
+                        samples_per_prompt=1):
         """dtype: the compute dtype; master_dtype: the parameters' and optimizer state's (as for the actor)."""
         from transformers import AutoConfig, AutoModelForTokenClassification
-
 
         # No dropout before the value head: update() runs in train mode and must see the same values
         # that compute_values() produced in eval mode (old_values), or the clipped loss is biased.
@@ -67,7 +67,7 @@ class Critic:
                                 attn_implementation=attn_implementation,
                                 trust_remote_code=trust_remote_code, config=model_config)
         prepare_trained_model(model, precision, gradient_checkpointing)
-        return cls(model, config, seed=seed)
+        return cls(model, config, seed=seed, samples_per_prompt=samples_per_prompt)
 
     @property
     def device(self) -> torch.device:

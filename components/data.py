@@ -1,13 +1,15 @@
 """Prompt loading from verl-format Parquet files, and a resumable, deterministic prompt order.
 
 A verl row has `prompt` (a list of {role, content} chat messages, or here also a plain string),
-`reward_model.ground_truth` and optionally `data_source`. Prompts are rendered with the tokenizer's
+`reward_model.ground_truth` and optionally `data_source` and `extra_info` (a struct, passed on to the
+reward function as a dict, as verl does). Prompts are rendered with the tokenizer's
 chat template, tokenized once, and checked against `data.max_prompt_length`: an overlong prompt is
 filtered or rejected, never truncated (a truncated question has a different answer).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -21,7 +23,9 @@ from storage.schema import is_message_list
 DEFAULT_DATA_SOURCE = "unknown"
 OVERLONG_POLICIES = ("filter", "error")
 # Columns of the normalized table returned by `read_prompt_table`.
-NORMALIZED_COLUMNS = ("messages", "raw_prompt", "ground_truth", "data_source", "source_file", "source_row")
+NORMALIZED_COLUMNS = ("messages", "raw_prompt", "ground_truth", "data_source", "extra_info", "source_file",
+                      "source_row")
+WARM_START_TARGETS = "auto, ground_truth or extra_info.<key>"
 
 
 @dataclass(frozen=True)
@@ -33,8 +37,10 @@ class PromptRecord:
     prompt_text: str
     ground_truth: str
     data_source: str
-    # What supervised warm-start trains towards; the ground truth until tasks provide worked answers.
+    # What supervised warm-start trains towards (warm_start.target): a worked answer or the ground truth.
     target_text: str | None
+    extra_info: str = "null"
+    """The row's extra_info as JSON text ("null" when the file has none); the reward function gets it decoded."""
 
 
 def _open_parquet(path: str, field: str) -> pa.Table:
@@ -88,12 +94,15 @@ def _normalize_table(table: pa.Table, path: str, field: str) -> pa.Table:
         data_source = pa.array([DEFAULT_DATA_SOURCE] * table.num_rows, pa.string())
     messages_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     prompt = table.column("prompt")
+    extra_info = pa.array([json.dumps(value, default=str) for value in (
+        table.column("extra_info").to_pylist() if "extra_info" in columns else [None] * table.num_rows)], pa.string())
     return pa.table({
         "messages": pa.nulls(table.num_rows, messages_type) if plain_string
         else pc.cast(prompt, messages_type),
         "raw_prompt": pc.cast(prompt, pa.string()) if plain_string else pa.nulls(table.num_rows, pa.string()),
         "ground_truth": ground_truth,
         "data_source": data_source,
+        "extra_info": extra_info,
         "source_file": pa.array([path] * table.num_rows, pa.string()),
         "source_row": pa.array(range(table.num_rows), pa.int64()),
     })
@@ -155,15 +164,24 @@ def load_prompts(
     max_prompt_length: int,
     overlong: Literal["filter", "error"] = "filter",
     field: str = "data.train_files",
+    target: str = "auto",
 ) -> tuple[list[PromptRecord], int]:
-    """Render, tokenize and length-check every prompt; return (records, number filtered as overlong)."""
+    """Render, tokenize and length-check every prompt; return (records, number filtered as overlong).
+
+    `target` (warm_start.target) picks each record's target_text: `extra_info.<key>`, `ground_truth`, or
+    auto: extra_info.answer where the row has one (verl's GSM8K rows: the worked answer ending in
+    `#### n`, the format the gsm8k scorer expects), else the ground truth."""
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(
             f"data.overlong_prompts={overlong!r} is not valid; use one of {list(OVERLONG_POLICIES)}"
         )
     if max_prompt_length < 1:
         raise ValueError(f"data.max_prompt_length={max_prompt_length} must be >= 1")
+    if target not in ("auto", "ground_truth") and not target.startswith("extra_info."):
+        raise ValueError(f"warm_start.target={target!r} is not valid; use {WARM_START_TARGETS}")
     rows = read_prompt_table(paths, field).to_pylist()
+    if not rows:
+        raise ValueError(f"{field}: the files hold no rows ({', '.join(map(str, [paths] if isinstance(paths, str) else paths))})")
     texts = [
         render_prompt(tokenizer, row["raw_prompt"] if row["messages"] is None else row["messages"])
         for row in rows
@@ -189,14 +207,29 @@ def load_prompts(
             prompt_text=text,
             ground_truth=row["ground_truth"] or "",
             data_source=row["data_source"],
-            target_text=row["ground_truth"],
+            target_text=_target_text(row, target, field),
+            extra_info=row["extra_info"],
         ))
     if not records:
         raise ValueError(
             f"{field}: all {len(rows)} prompts are longer than data.max_prompt_length={max_prompt_length} "
-            "tokens (or the files are empty); raise data.max_prompt_length"
+            "tokens; raise data.max_prompt_length"
         )
     return records, filtered
+
+
+def _target_text(row: dict, target: str, field: str) -> str | None:
+    if target == "ground_truth":
+        return row["ground_truth"]
+    extra = json.loads(row["extra_info"])
+    key = "answer" if target == "auto" else target.removeprefix("extra_info.")
+    value = extra.get(key) if isinstance(extra, dict) else None
+    if value is None:
+        if target == "auto":
+            return row["ground_truth"]
+        raise ValueError(f"warm_start.target={target!r}: row {row['source_row']} of {row['source_file']!r} has no "
+                         f"extra_info.{key}; use {WARM_START_TARGETS}")
+    return str(value)
 
 
 class PromptSampler:

@@ -1,12 +1,20 @@
 """Sequence-level rewards: rule functions (by name), user functions (`module:function`), a reward model.
 
-Every reward function has one signature so the scoring stage can call any of them:
-``fn(response_text, ground_truth, data_source="", extra_info=None) -> float``.
+A reward function is called by keyword with the fields of the sample it declares, under this project's
+names or verl's: `data_source`, `solution_str` (verl) or `response_text` (the same text), `ground_truth`,
+`extra_info` (the row's `extra_info` column, a dict, or None); a `**kwargs` parameter receives them all.
+So verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` and this project's
+``fn(response_text, ground_truth, data_source="", extra_info=None)`` both work unchanged. It returns a
+number (or verl's ``{"score": number, ...}``).
+
+`reward.function=auto` (the default) routes each sample by its data_source, as verl's default scorer
+does: `openai/gsm8k` (and `gsm8k`) to `gsm8k`, everything else to `exact_match`.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import re
 from typing import Callable, Sequence
@@ -17,8 +25,16 @@ RewardFunction = Callable[..., float]
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {}
 # Responses are decoded with skip_special_tokens=True, but a custom decode path may leave these in.
 END_OF_TEXT_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "</s>")
-# verl's GSM8K extraction ("strict" mode): the number after "#### ".
+# verl's GSM8K extraction (verl/utils/reward_score/gsm8k.py): the number after the last "#### " ("strict"),
+# or the last number ("flexible"), in the last 300 characters of the response.
 GSM8K_ANSWER_PATTERN = re.compile(r"#### (\-?[0-9\.\,]+)")
+GSM8K_NUMBER_PATTERN = re.compile(r"(\-?[0-9\.\,]+)")
+GSM8K_CLIP_CHARS = 300
+REWARD_FIELDS = ("data_source", "solution_str", "response_text", "ground_truth", "extra_info")
+"""What a reward function may declare (solution_str and response_text are the same text)."""
+AUTO = "auto"
+DATA_SOURCE_SCORERS = {"openai/gsm8k": "gsm8k", "gsm8k": "gsm8k"}
+"""reward.function=auto: data_source -> the registered scorer; any other data_source: exact_match."""
 
 
 def register_reward_function(name: str) -> Callable[[RewardFunction], RewardFunction]:
@@ -47,15 +63,34 @@ def exact_match(
 
 
 @register_reward_function("gsm8k")
-def gsm8k(
-    response_text: str, ground_truth: str, data_source: str = "", extra_info: dict | None = None
-) -> float:
-    """1.0 if the number after the last "#### " equals the ground truth (commas ignored), else 0.0."""
-    answers = GSM8K_ANSWER_PATTERN.findall(response_text)
+def gsm8k(solution_str: str, ground_truth: str) -> float:
+    """verl's strict GSM8K score: 1.0 if the number after the last "#### " in the response's last 300
+    characters, commas and "$" removed, equals the ground truth as given, else 0.0."""
+    answers = GSM8K_ANSWER_PATTERN.findall(solution_str[-GSM8K_CLIP_CHARS:])
     if not answers:
         return 0.0  # verl's default format_score is 0
-    answer = answers[-1].replace(",", "")
-    return 1.0 if answer == str(ground_truth).strip().replace(",", "") else 0.0
+    return 1.0 if answers[-1].replace(",", "").replace("$", "") == ground_truth else 0.0
+
+
+@register_reward_function("gsm8k_flexible")
+def gsm8k_flexible(solution_str: str, ground_truth: str) -> float:
+    """verl's flexible GSM8K score: the last number of the response's last 300 characters ("" and "."
+    skipped), compared with the ground truth as given."""
+    for answer in reversed(GSM8K_NUMBER_PATTERN.findall(solution_str[-GSM8K_CLIP_CHARS:])):
+        if answer not in ("", "."):
+            return 1.0 if answer == ground_truth else 0.0
+    return 0.0
+
+
+def scorer_for(data_source: str) -> str:
+    """The registered scorer reward.function=auto uses for a data_source."""
+    return DATA_SOURCE_SCORERS.get(data_source, "exact_match")
+
+
+def auto_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """reward.function=auto: the scorer of the sample's data_source (scorer_for)."""
+    return call_reward(REWARD_FUNCTIONS[scorer_for(data_source)], data_source=data_source, solution_str=solution_str,
+                       response_text=solution_str, ground_truth=ground_truth, extra_info=extra_info)
 
 
 def _registered_names() -> str:
@@ -63,10 +98,13 @@ def _registered_names() -> str:
 
 
 def load_reward_function(spec: str, field: str = "reward.function") -> RewardFunction:
-    """A registered name (e.g. "exact_match") or a user function given as "package.module:function"."""
+    """"auto", a registered name (e.g. "exact_match") or a user function given as "package.module:function";
+    its parameters are checked against the fields a reward function receives (REWARD_FIELDS)."""
+    if spec == AUTO:
+        return auto_reward
     if spec in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[spec]
-    valid = f"use a registered name ({_registered_names()}) or 'module:function'"
+    valid = f"use auto, a registered name ({_registered_names()}) or 'module:function'"
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise ValueError(f"{field}={spec!r} is not a registered reward function; {valid}")
     module_name, attribute = spec.split(":")
@@ -88,7 +126,39 @@ def load_reward_function(spec: str, field: str = "reward.function") -> RewardFun
         raise ValueError(
             f"{field}={spec!r}: {attribute!r} is a {type(function).__name__}, not callable; {valid}"
         )
+    _bind(function, field=f"{field}={spec!r}")
     return function
+
+
+def _bind(function: RewardFunction, field: str = "reward function") -> tuple[list[str], list[str], bool]:
+    """(fields passed by position, fields passed by keyword, whether it takes **kwargs) for `function`;
+    ValueError when it requires a parameter that is not a reward field."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # no signature (a builtin): every field by keyword
+        return [], list(REWARD_FIELDS), True
+    positional, keywords, everything = [], [], False
+    for parameter in parameters:
+        if parameter.kind is parameter.VAR_KEYWORD:
+            everything = True
+        elif parameter.kind is parameter.VAR_POSITIONAL:
+            continue
+        elif parameter.name in REWARD_FIELDS:
+            (positional if parameter.kind is parameter.POSITIONAL_ONLY else keywords).append(parameter.name)
+        elif parameter.default is parameter.empty:
+            raise ValueError(
+                f"{field}: its parameter {parameter.name!r} is not a field a reward function receives; name its "
+                f"parameters after {', '.join(REWARD_FIELDS)} (or take **kwargs); e.g. verl's compute_score("
+                "data_source, solution_str, ground_truth, extra_info=None)")
+    if everything:
+        keywords = [name for name in REWARD_FIELDS if name not in positional]
+    return positional, keywords, everything
+
+
+def call_reward(function: RewardFunction, **fields):
+    """Call a reward function with the fields it declares (see the module docstring)."""
+    positional, keywords, _ = _bind(function)
+    return function(*(fields[name] for name in positional), **{name: fields[name] for name in keywords})
 
 
 def _as_finite_float(value, index: int, function: RewardFunction) -> float:
@@ -116,16 +186,20 @@ def score_responses(
     data_sources: Sequence[str],
     extra_infos: Sequence[dict | None] | None = None,
 ) -> list[float]:
-    """Apply a reward function to every sample; each result must be a finite number."""
+    """Apply a reward function to every sample, by keyword (see the module docstring); each result must be
+    a finite number."""
     extra_infos = list(extra_infos) if extra_infos is not None else [None] * len(response_texts)
     lengths = {len(response_texts), len(ground_truths), len(data_sources), len(extra_infos)}
     assert len(lengths) == 1, f"score_responses got mismatched lengths {lengths}"
-    return [
-        _as_finite_float(function(response, truth, data_source=source, extra_info=info), index, function)
-        for index, (response, truth, source, info) in enumerate(
-            zip(response_texts, ground_truths, data_sources, extra_infos)
-        )
-    ]
+    positional, keywords, _ = _bind(function)
+    scores = []
+    for index, (response, truth, source, info) in enumerate(
+            zip(response_texts, ground_truths, data_sources, extra_infos)):
+        fields = {"data_source": source, "solution_str": response, "response_text": response,
+                  "ground_truth": truth, "extra_info": info}
+        value = function(*(fields[name] for name in positional), **{name: fields[name] for name in keywords})
+        scores.append(_as_finite_float(value, index, function))
+    return scores
 
 
 class RewardModel:

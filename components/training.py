@@ -173,12 +173,14 @@ def loss_row_weights(response_mask: torch.Tensor, loss_agg_mode: str) -> torch.T
 class Updater:
     """A model's optimizer, schedule and update count, shared by the actor and the critic.
 
-    `config` is an ActorConfig or CriticConfig (optim, ppo_epochs, ppo_mini_batch_size,
-    micro_batch_size, loss_agg_mode). The optimizer is made on the first update, after any sharding.
+    `config` is an ActorConfig or CriticConfig (optim, ppo_epochs, ppo_mini_batch_size in prompts,
+    micro_batch_size, loss_agg_mode); `samples_per_prompt` (rollout.n) turns the mini-batch into samples.
+    The optimizer is made on the first update, after any sharding.
     """
 
-    def __init__(self, model: torch.nn.Module, config, seed: int):
+    def __init__(self, model: torch.nn.Module, config, seed: int, samples_per_prompt: int = 1):
         self.model, self.config, self.seed = model, config, seed
+        self.mini_batch_samples = config.ppo_mini_batch_size * samples_per_prompt
         self.updates = 0
         self.optimizer = None
         self.scheduler = None
@@ -190,7 +192,7 @@ class Updater:
             self.optimizer, self.scheduler = make_optimizer(self.model, config.optim)
         metrics = run_updates(
             model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, batch_size=response_mask.shape[0],
-            mini_batch_size=config.ppo_mini_batch_size, micro_batch_size=config.micro_batch_size,
+            mini_batch_size=self.mini_batch_samples, micro_batch_size=config.micro_batch_size,
             epochs=config.ppo_epochs, grad_clip=config.optim.grad_clip, seed=self.seed + self.updates,
             micro_loss=micro_loss, prefix=prefix, row_weights=loss_row_weights(response_mask, config.loss_agg_mode),
             row_lengths=row_lengths,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, Field, ValidationError, model_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 
 # The sections of the roles live beside the code they configure (torchtitan's rule); this tree composes them.
 from components.actor import ActorConfig
@@ -80,9 +80,15 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     train_files: list[str] = [".rlhf/data/arithmetic/train.parquet"]
-    """verl-format Parquet prompt files for training; glob patterns (`prompts/2026-*.parquet`) allowed."""
+    """verl-format Parquet prompt files for training (one path or a list); glob patterns
+    (`prompts/2026-*.parquet`) allowed."""
     val_files: list[str] = [".rlhf/data/arithmetic/validation.parquet"]
-    """verl-format Parquet prompt files for validation."""
+    """verl-format Parquet prompt files for validation (one path or a list)."""
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, value):
+        return [value] if isinstance(value, str) else value
     max_prompt_length: int = Field(64, gt=0)
     """Longest prompt in tokens, after the chat template."""
     overlong_prompts: Literal["filter", "error"] = "filter"
@@ -152,8 +158,9 @@ class RolloutConfig(Section):
 class RewardConfig(Section):
     kind: Literal["rule", "model"] = "rule"
     """rule: a scoring function; model: an HF sequence classifier."""
-    function: str = "exact_match"
-    """Rule name (exact_match, gsm8k) or a user's `module:function`."""
+    function: str = "auto"
+    """auto (by each sample's data_source, as verl: openai/gsm8k -> gsm8k, others -> exact_match), a rule
+    name (exact_match, gsm8k, gsm8k_flexible) or a user's `module:function` (verl's compute_score works)."""
     model_path: str | None = None
     """Reward model folder or hub name when kind is model."""
 
@@ -191,6 +198,9 @@ class WarmStartConfig(Section):
     """Examples per warm-start step."""
     lr: float = Field(1e-3, gt=0)
     """Warm-start learning rate."""
+    target: str = "auto"
+    """What the warm-start trains toward: auto (a row's extra_info.answer, verl's GSM8K worked answer ending in
+    `#### n`, else the ground truth), ground_truth, or extra_info.<key>."""
 
 
 class TrainerConfig(Section):
@@ -286,11 +296,14 @@ class Config(Section):
             raise ValueError(f"model.master_dtype={self.model.master_dtype!r} with model.compute_dtype="
                              f"{self.model.compute_dtype!r}: master weights are float32 or the compute dtype; use "
                              f"float32 (fp32 master weights, the default){pure}")
-        if self.actor.micro_batch_size > self.actor.ppo_mini_batch_size:
-            raise ValueError(
-                f"actor.micro_batch_size={self.actor.micro_batch_size} must be <= "
-                f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size}"
-            )
+        for role in ("actor", "critic") if self.uses_critic else ("actor",):
+            section = getattr(self, role)
+            samples = section.ppo_mini_batch_size * self.rollout.n
+            if section.micro_batch_size > samples:
+                raise ValueError(
+                    f"{role}.micro_batch_size={section.micro_batch_size} (samples) must be <= the mini-batch's "
+                    f"{samples} samples ({role}.ppo_mini_batch_size={section.ppo_mini_batch_size} prompts x "
+                    f"rollout.n={self.rollout.n})")
         return self
 
     @property
@@ -327,7 +340,7 @@ class Config(Section):
         """The actor update takes one optimizer step over the whole step's batch from the current weights,
         and nothing before it needs the old log-probs: they are the update's own (see reuse_update_logprobs)."""
         return (self.actor.reuse_update_logprobs and self.actor.ppo_epochs == 1
-                and self.actor.ppo_mini_batch_size >= self.samples_per_step and not self.algorithm.use_kl_in_reward)
+                and self.actor.ppo_mini_batch_size >= self.data.prompts_per_step and not self.algorithm.use_kl_in_reward)
 
 
 def layout_for(config: Config) -> RunLayout:

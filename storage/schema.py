@@ -68,6 +68,9 @@ COLUMNS: dict[str, Column] = dict([
             "Copied from the prompt's reward_model.ground_truth."),
     _column("data_source", pa.string(), "[B]", "rollout", ("reward",),
             "Dataset name; selects the reward function."),
+    _column("extra_info", pa.string(), "[B]", "rollout", ("reward",),
+            "The prompt row's extra_info as JSON text ('null' when the file has none); the reward function "
+            "receives it decoded (a dict, or None)."),
     _column("finish_reason", pa.string(), "[B]", "rollout", ("driver",),
             "'stop' (EOS/stop string) or 'length' (hit max response tokens)."),
     _column("score", pa.float32(), "[B]", "reward", ("driver",),
@@ -94,7 +97,7 @@ STAGES: dict[str, StageSchema] = {
     for stage in (
         StageSchema("rollout", (
             "uid", "group_id", "prompt_ids", "response_ids", "rollout_logprobs",
-            "response_text", "ground_truth", "data_source", "finish_reason",
+            "response_text", "ground_truth", "data_source", "extra_info", "finish_reason",
         ), "Generated samples; the batch every later stage is aligned to."),
         StageSchema("reward", ("uid", "score"), "Sequence-level rewards."),
         StageSchema("reference", ("uid", "ref_logprobs"), "Reference-policy log-probs."),
@@ -103,7 +106,7 @@ STAGES: dict[str, StageSchema] = {
         StageSchema("advantages", ("uid", "token_rewards", "advantages", "returns"),
                     "Driver-computed training targets."),
         StageSchema("validation", (
-            "uid", "prompt_text", "response_text", "ground_truth", "data_source", "score",
+            "uid", "prompt_text", "response_text", "ground_truth", "data_source", "extra_info", "score",
         ), "Greedy/eval generations on the validation set, with their scores."),
     )
 }

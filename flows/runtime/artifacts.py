@@ -11,7 +11,7 @@ from flows.config import Config
 
 TABLE_METRICS = ("critic/score/mean", "val/reward/mean", "actor/ppo_kl", "actor/pg_loss", "actor/entropy",
                  "critic/vf_loss", "actor/update_rms_ratio", "critic/update_rms_ratio", "response_length/mean",
-                 "timing_s/gen", "timing_s/step", "perf/throughput")
+                 "timing_s/gen", "timing_s/step", "perf/throughput", "perf/gen_throughput")
 
 
 def artifact_key(config: Config, suffix: str) -> str:

@@ -21,6 +21,7 @@ from flows.runtime.recovery import (commit_checkpoint, driver_state, finished_st
 from flows.runtime.residents import release_run
 from flows.runtime.system_metrics import start_system_metrics
 from flows.runtime.tracking import Tracker, tracking_uri
+from flows.runtime.worker import heartbeat_dir, read_heartbeats
 
 
 @dataclass
@@ -76,6 +77,15 @@ class RunState:
             metrics = pending.handle.result(timeout=self.config.trainer.stage_timeout_s)["metrics"]
         record_stage_metrics(layout_for(self.config), pending.stage, pending.step, metrics)
         return metrics
+
+    def gpus(self) -> int:
+        """GPUs the run computes on (verl's n_gpus in perf/throughput): the distinct GPUs of its workers'
+        heartbeats under trainer.execution=workers, else 1 (one process: one GPU, or the CPU counted as 1)."""
+        if self.config.trainer.execution != "workers":
+            return 1
+        devices = {(beat.get("host"), device) for beat in read_heartbeats(heartbeat_dir())
+                   for device in str(beat.get("devices") or "cpu").split(",") if device not in ("", "cpu")}
+        return max(1, len(devices))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Log, never twice for one metric and step, also across a resume."""

@@ -148,6 +148,13 @@ class Tracker:
         self.client.log_text(run_id, config.model_dump_json(indent=2), "config.json")
         self.client.log_text(run_id, config_yaml(config), "config.yaml")
 
+    def log_params(self, params: dict[str, str]) -> None:
+        """Params beyond the config (a resumed run already has them: MLflow refuses to change a param)."""
+        logged = self.client.get_run(self.run_id).data.params
+        fresh = [Param(key, str(value)[:MAX_PARAM_LENGTH]) for key, value in params.items() if key not in logged]
+        if fresh:
+            self.client.log_batch(self.run_id, params=fresh)
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
         entries = [Metric(key, float(value), now, step) for key, value in metrics.items()

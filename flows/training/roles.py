@@ -90,7 +90,8 @@ def _build_actor(config: Config, restore: int | None | object = LATEST):
     restored, checkpoint = restore_point(layout_for(config), "actor", restore)
     actor = Actor.from_pretrained(checkpoint or initial_policy_path(config), config.actor,
                                   temperature=config.rollout.temperature, seed=config.trainer.seed,
-                                  fused=config.model.fused_logprobs, **_trained_kwargs(config))
+                                  fused=config.model.fused_logprobs, samples_per_prompt=config.rollout.n,
+                                  **_trained_kwargs(config))
     _compile_if_asked(config, actor.model)
     _restore_trainer_state(actor.updater, checkpoint)
     actor.state_step = restored or 0
@@ -146,7 +147,8 @@ def _build_critic(config: Config, restore: int | None | object = LATEST):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.trainer.seed)
         critic = Critic.from_pretrained(checkpoint or config.critic.model_path or initial_policy_path(config),
-                                        config.critic, seed=config.trainer.seed, **_trained_kwargs(config))
+                                        config.critic, seed=config.trainer.seed, samples_per_prompt=config.rollout.n,
+                                        **_trained_kwargs(config))
     _compile_if_asked(config, critic.model)
     _restore_trainer_state(critic.updater, checkpoint)
     critic.state_step = restored or 0
@@ -166,7 +168,8 @@ def _build_tokenizer(config: Config):
 
 def _load_prompt_split(config: Config, files: list[str], field: str):
     records, _filtered = load_prompts(files, get_role(config, "tokenizer"), max_prompt_length=config.data.max_prompt_length,
-                                      overlong=config.data.overlong_prompts, field=field)
+                                      overlong=config.data.overlong_prompts, field=field,
+                                      target=config.warm_start.target)
     return records
 
 

@@ -17,6 +17,7 @@ from flows.config import Config
 from flows.runtime.launcher import (WorkerPool, prefect_server, print_worker_summary, using_prefect_api,
                                     worker_environment)
 from flows.training.plan import plan_placement, worker_preloads
+from flows.training.preflight import check_inputs
 from flows.training.train import train
 
 
@@ -49,6 +50,7 @@ def run_training(config: Config, start_workers: bool = False) -> tuple[dict, str
     # One progress line per step on the terminal; task-run states stay visible in the Prefect UI.
     logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
     workers = config.trainer.execution == "workers"
+    check_inputs(config)  # bad data, model or reward: one line before the server starts (the flow reports them)
     if start_workers:
         plan_placement(config)  # fail on a bad placement before any server or model starts
     with prefect_server() as api_url:

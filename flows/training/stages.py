@@ -9,6 +9,7 @@ a stage boundary; models come from `flows.training.roles`, resident in whichever
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -131,6 +132,7 @@ def rollout(config: Config, step: int, weights_step: int | None = None) -> Stage
         "response_text": [g.text for g in generations],
         "ground_truth": [prompts[g.prompt_index].ground_truth for g in generations],
         "data_source": [prompts[g.prompt_index].data_source for g in generations],
+        "extra_info": [prompts[g.prompt_index].extra_info for g in generations],
         "finish_reason": [g.finish_reason for g in generations],
     }
     path = _write(config, step, "rollout", columns)
@@ -139,15 +141,22 @@ def rollout(config: Config, step: int, weights_step: int | None = None) -> Stage
     metrics["response_length/clip_ratio"] = sum(g.finish_reason == "length" for g in generations) / len(generations)
     metrics.update(_stats("prompt_length", torch.tensor([float(len(p.prompt_ids)) for p in prompts])))
     metrics["perf/gen_tokens"] = float(lengths.sum())
+    # verl's perf/total_num_tokens: prompt and response tokens of every sample
+    metrics["perf/total_num_tokens"] = float(lengths.sum()) + float(sum(len(prompts[g.prompt_index].prompt_ids)
+                                                                        for g in generations))
     metrics["perf/gen_tokens_per_s"] = float(lengths.sum()) / max(metrics["timing_s/gen"], 1e-9)
     return {"path": path, "metrics": metrics}
 
 
-def _score(config: Config, prompt_texts, response_texts, ground_truths, data_sources) -> list[float]:
+def _score(config: Config, prompt_ids, response_texts, ground_truths, data_sources, extra_infos) -> list[float]:
+    """Scores of one batch. A reward model reads the prompt as the policy saw it (decoded with the chat
+    template's special tokens, in training and validation alike); a function gets each row's fields."""
     scorer = get_role(config, "reward")
     if config.reward.kind == "model":
-        return scorer.score(list(prompt_texts), list(response_texts))
-    return score_responses(scorer, response_texts, ground_truths, data_sources)
+        prompt_texts = get_role(config, "tokenizer").batch_decode(list(prompt_ids), skip_special_tokens=False)
+        return scorer.score(prompt_texts, list(response_texts))
+    return score_responses(scorer, response_texts, ground_truths, data_sources,
+                           [json.loads(info) for info in extra_infos])
 
 
 @stage(role="reward", output="reward", skippable=True)
@@ -156,10 +165,8 @@ def reward(config: Config, step: int) -> StageResult:
     rollout_table = _read(config, step, "rollout")
     metrics: dict[str, float] = {}
     with timed(metrics, "reward"):
-        tokenizer = get_role(config, "tokenizer")
-        prompt_texts = tokenizer.batch_decode(rollout_table.column("prompt_ids").to_pylist(), skip_special_tokens=True)
-        scores = _score(config, prompt_texts, rollout_table.column("response_text").to_pylist(),
-                        rollout_table.column("ground_truth").to_pylist(), rollout_table.column("data_source").to_pylist())
+        fields = ("prompt_ids", "response_text", "ground_truth", "data_source", "extra_info")
+        scores = _score(config, *(rollout_table.column(name).to_pylist() for name in fields))
         path = _write(config, step, "reward", {"uid": rollout_table.column("uid").to_pylist(), "score": scores})
     metrics.update(_stats("critic/score", torch.tensor(scores)))
     return {"path": path, "metrics": metrics}
@@ -309,11 +316,12 @@ def evaluate(config: Config, engine, records) -> tuple[dict, dict[str, float]]:
                             seed=config.trainer.seed)
     generations = engine.generate([r.prompt_ids for r in records], params)
     texts = [g.text for g in generations]
-    scores = _score(config, [r.prompt_text for r in records], texts, [r.ground_truth for r in records],
-                    [r.data_source for r in records])
+    scores = _score(config, [r.prompt_ids for r in records], texts, [r.ground_truth for r in records],
+                    [r.data_source for r in records], [r.extra_info for r in records])
     columns = {"uid": [f"val-{r.index}" for r in records], "prompt_text": [r.prompt_text for r in records],
                "response_text": texts, "ground_truth": [r.ground_truth for r in records],
-               "data_source": [r.data_source for r in records], "score": scores}
+               "data_source": [r.data_source for r in records], "extra_info": [r.extra_info for r in records],
+               "score": scores}
     metrics = {"val/reward/mean": sum(scores) / len(scores)}
     for source in sorted(set(columns["data_source"])):
         chosen = [s for s, d in zip(scores, columns["data_source"]) if d == source]

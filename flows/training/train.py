@@ -29,6 +29,7 @@ from flows.runtime.driver import RunState, for_this_flow_run, start_run
 from flows.runtime.residents import release_run
 from flows.runtime.system_metrics import stop_system_metrics
 from flows.training.export import export_run
+from flows.training.preflight import check_inputs
 from flows.training.stages import (STAGES, advantages, checkpoint_actor, checkpoint_critic, old_logprobs, reference,
                                    reward, rollout, sample_rows, update_actor, update_critic, validate, values,
                                    warm_start)
@@ -66,7 +67,9 @@ def training_step(state: RunState, step: int) -> dict[str, float]:
     if "actor/reward_kl_penalty" in metrics:
         state.kl_controller.update(metrics["actor/reward_kl_penalty"], config.samples_per_step)
     metrics["timing_s/step"] = time.perf_counter() - started
-    metrics["perf/throughput"] = metrics.get("perf/gen_tokens", 0.0) / metrics["timing_s/step"]
+    # verl's definitions: all tokens per second per GPU; ours, generated tokens per second of the step
+    metrics["perf/throughput"] = metrics.get("perf/total_num_tokens", 0.0) / (metrics["timing_s/step"] * state.gpus())
+    metrics["perf/gen_throughput"] = metrics.get("perf/gen_tokens", 0.0) / metrics["timing_s/step"]
     return metrics
 
 
@@ -94,7 +97,11 @@ def train(config: Config) -> dict:
     """Train a causal LM with PPO/GRPO; return the final validation reward and where to look."""
     logger = get_run_logger()
     config = for_this_flow_run(config)
+    inputs = check_inputs(config)  # before the run folder or the MLflow run exists
     state = start_run(config)
+    for line in inputs.lines():
+        logger.info(line)
+    state.tracker.log_params({f"reward.scorer.{source}": scorer for source, scorer in inputs.scorers.items()})
     trainer = config.trainer
     status = "FAILED"
     try:

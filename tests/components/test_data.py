@@ -107,3 +107,39 @@ def test_sampler_determinism_and_seeds():
     assert PromptSampler(50, 8, seed=2).batch_indices(0) != first.batch_indices(0)
     with pytest.raises(ValueError, match="data.prompts_per_step=51"):
         PromptSampler(50, 51, seed=0)
+
+
+GSM8K_ROW = {  # verl's GSM8K layout (examples/data_preprocess/gsm8k.py)
+    "data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "3+4?"}], "ability": "math",
+    "reward_model": {"style": "rule", "ground_truth": "7"},
+    "extra_info": {"split": "train", "index": 0, "answer": "3+4=7\n#### 7", "question": "3+4?"},
+}
+
+
+def test_extra_info_passes_as_json_and_the_worked_answer_is_the_warm_start_target(tmp_path, tokenizer):
+    import json
+
+    path = _write_rows(tmp_path / "g.parquet", [GSM8K_ROW])
+    (record,), _ = load_prompts(path, tokenizer, max_prompt_length=64)
+    assert json.loads(record.extra_info) == GSM8K_ROW["extra_info"]
+    assert record.target_text == "3+4=7\n#### 7"  # auto: extra_info.answer
+    (record,), _ = load_prompts(path, tokenizer, max_prompt_length=64, target="ground_truth")
+    assert record.target_text == "7"
+    (record,), _ = load_prompts(path, tokenizer, max_prompt_length=64, target="extra_info.question")
+    assert record.target_text == "3+4?"
+    with pytest.raises(ValueError, match=r"warm_start.target='extra_info.nope': row 0 of .* has no extra_info.nope"):
+        load_prompts(path, tokenizer, max_prompt_length=64, target="extra_info.nope")
+    with pytest.raises(ValueError, match=r"warm_start.target='answer' is not valid"):
+        load_prompts(path, tokenizer, max_prompt_length=64, target="answer")
+    # A file without extra_info: "null", and auto falls back to the ground truth.
+    plain = _write_rows(tmp_path / "p.parquet", [{"prompt": "3+4?", "reward_model": {"ground_truth": "7"}}])
+    (record,), _ = load_prompts(plain, tokenizer, max_prompt_length=64)
+    assert record.extra_info == "null" and record.target_text == "7"
+
+
+def test_an_empty_file_says_empty(tmp_path, tokenizer):
+    schema = pa.schema([("prompt", pa.string()), ("reward_model", pa.struct([("ground_truth", pa.string())]))])
+    path = tmp_path / "empty.parquet"
+    pq.write_table(schema.empty_table(), path)
+    with pytest.raises(ValueError, match=r"data.val_files: the files hold no rows"):
+        load_prompts([str(path)], tokenizer, max_prompt_length=8, field="data.val_files")

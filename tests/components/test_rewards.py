@@ -20,12 +20,53 @@ def test_exact_match(response, truth, expected):
 
 @pytest.mark.parametrize(
     ("response", "truth", "expected"),
-    [("so #### 1,234", "1234", 1.0), ("#### 1234", "1,234", 1.0), ("#### 12 then #### 13", "13", 1.0),
+    [("so #### 1,234", "1234", 1.0), ("#### 12 then #### 13", "13", 1.0),
      ("#### 12 then #### 13", "12", 0.0), ("the answer is 72", "72", 0.0), ("#### -5", "-5", 1.0),
-     ("#### 5", "-5", 0.0), ("####72", "72", 0.0), ("#### 3.5", "3.5", 1.0)],
+     ("#### 5", "-5", 0.0), ("####72", "72", 0.0), ("#### 3.5", "3.5", 1.0),
+     # verl's strict scorer: the ground truth as given (a comma in it never matches), a "$" after "#### " is
+     # no number, and only the last 300 characters of the response are searched.
+     ("#### 1234", "1,234", 0.0), ("#### $1,234", "1234", 0.0), ("#### 7" + "x" * 300, "7", 0.0),
+     ("x" * 500 + "#### 7", "7", 1.0)],
 )
 def test_gsm8k(response, truth, expected):
     assert REWARD_FUNCTIONS["gsm8k"](response, truth) == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "expected"),
+    [("so it is 72.", "72.", 1.0), ("72 apples, then 8", "8", 1.0), ("72 apples, then 8", "72", 0.0),
+     ("no number", "1", 0.0), ("1,234", "1,234", 1.0)],
+)
+def test_gsm8k_flexible(response, truth, expected):
+    assert REWARD_FUNCTIONS["gsm8k_flexible"](response, truth) == expected
+
+
+def test_a_verl_compute_score_and_this_projects_signature_both_get_the_fields_by_name(tmp_path, monkeypatch):
+    (tmp_path / "verl_style.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(solution_str.endswith(ground_truth)) + (10 if extra_info['split'] == 'test' else 0)"
+        " + (100 if data_source == 'openai/gsm8k' else 0)\n"
+        "def ours(response_text, ground_truth, data_source='', extra_info=None):\n"
+        "    return float(response_text == ground_truth)\n"
+        "def everything(**fields):\n"
+        "    return float(len(fields))\n"
+        "def strange(text, answer):\n"
+        "    return 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    verl = load_reward_function("verl_style:compute_score")
+    assert score_responses(verl, ["x 7", "x 8"], ["7", "7"], ["openai/gsm8k", "other"],
+                           [{"split": "test"}, {"split": "train"}]) == [111.0, 0.0]
+    assert score_responses(load_reward_function("verl_style:ours"), ["7", "8"], ["7", "7"], ["", ""]) == [1.0, 0.0]
+    # **kwargs receives every field: data_source, solution_str, response_text, ground_truth, extra_info
+    assert score_responses(load_reward_function("verl_style:everything"), ["7"], ["7"], [""]) == [5.0]
+    with pytest.raises(ValueError, match=r"reward.function='verl_style:strange': its parameter 'text' is not a field"):
+        load_reward_function("verl_style:strange")
+
+
+def test_auto_routes_by_data_source_as_verl():
+    auto = load_reward_function("auto")
+    assert score_responses(auto, ["#### 7", "#### 7", "7"], ["7", "7", "7"], ["openai/gsm8k", "arithmetic", "arithmetic"]) \
+        == [1.0, 0.0, 1.0]  # gsm8k for openai/gsm8k; exact match elsewhere
 
 
 def test_user_function_loading(tmp_path, monkeypatch):

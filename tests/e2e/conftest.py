@@ -39,7 +39,7 @@ def make_config(tiny_inputs):
                      "max_prompt_length": 16, "prompts_per_step": 4},
             # transformers generation: fast to start; the vLLM engine has its own end-to-end test.
             "rollout": {"n": 4, "max_new_tokens": 4, "engine": "hf"},
-            "actor": {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "optim": {"lr": 1e-4}},
+            "actor": {"ppo_mini_batch_size": 2, "micro_batch_size": 4, "optim": {"lr": 1e-4}},
             # A stage here takes seconds: a hang fails the test in minutes, not in the default hour.
             "trainer": {"total_steps": 2, "val_every": 1, "device": "cpu", "stage_timeout_s": 300},
             "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": experiment},

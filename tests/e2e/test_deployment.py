@@ -63,7 +63,7 @@ def _tiny_config(tmp_path: Path, tiny_inputs: dict, run_name: str) -> dict:
         "data": {"train_files": [tiny_inputs["train"]], "val_files": [tiny_inputs["validation"]],
                  "max_prompt_length": 16, "prompts_per_step": PROMPTS},
         "rollout": {"n": SAMPLES, "max_new_tokens": 4},
-        "actor": {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "use_kl_loss": False},
+        "actor": {"ppo_mini_batch_size": 2, "micro_batch_size": 4, "use_kl_loss": False},
         "warm_start": {"steps": 0},
         "trainer": {"total_steps": 2, "val_every": 0, "device": "cpu"},
         "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "deployment-e2e"},

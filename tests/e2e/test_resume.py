@@ -28,9 +28,9 @@ def _config(make_config):
     weight copies are kept, so that older published weights are deleted during the run."""
     def make(tmp_path, tiny_inputs, name):
         return make_config(tmp_path, name, "resume",
-                           actor={"ppo_mini_batch_size": 8, "micro_batch_size": 4, "use_kl_loss": True,
+                           actor={"ppo_mini_batch_size": 2, "micro_batch_size": 4, "use_kl_loss": True,
                                   "optim": {"lr": 1e-3}},
-                           critic={"ppo_mini_batch_size": 8, "micro_batch_size": 4},
+                           critic={"ppo_mini_batch_size": 2, "micro_batch_size": 4},
                            algorithm={"adv_estimator": "gae"}, warm_start={"steps": 2, "batch_size": 8},
                            trainer={"total_steps": STEPS, "val_every": 1, "device": "cpu",
                                     "keep_checkpoints": 1, "keep_weights": 2})

@@ -44,7 +44,7 @@ def _task_names(flow_run_id) -> list[str]:
 
 
 def test_grpo_flow_writes_every_stage_and_tracks_in_mlflow(prefect_api, tmp_path, tiny_inputs, _config):
-    config = _config(tmp_path, tiny_inputs, "grpo", actor={"use_kl_loss": True, "ppo_mini_batch_size": 8,
+    config = _config(tmp_path, tiny_inputs, "grpo", actor={"use_kl_loss": True, "ppo_mini_batch_size": 2,
                                                             "micro_batch_size": 4})
     loads_before = dict(LOAD_COUNTS)
     state, summary = _run(config)
@@ -116,7 +116,7 @@ def test_ppo_flow_with_critic_and_adaptive_kl_penalty(prefect_api, tmp_path, tin
     config = _config(tmp_path, tiny_inputs, "ppo",
                      algorithm={"adv_estimator": "gae", "use_kl_in_reward": True, "gamma": 1.0, "lam": 0.95,
                                 "kl_ctrl": {"type": "adaptive", "kl_coef": 0.05, "target_kl": 0.01, "horizon": 100}},
-                     critic={"ppo_mini_batch_size": 8, "micro_batch_size": 4}, warm_start={"steps": 0})
+                     critic={"ppo_mini_batch_size": 2, "micro_batch_size": 4}, warm_start={"steps": 0})
     state, summary = _run(config)
     layout = RunLayout(config.run.storage_root, "ppo")
     for step in range(2):
@@ -154,7 +154,7 @@ def test_on_policy_update_skips_the_old_logprob_pass(prefect_api, tmp_path, tiny
     """One epoch, one mini-batch of the whole step: no old_logprobs stage; the update's own forward
     gives the rollout consistency metrics."""
     config = _config(tmp_path, tiny_inputs, "on-policy",
-                     actor={"ppo_mini_batch_size": PROMPTS * SAMPLES, "micro_batch_size": 4})
+                     actor={"ppo_mini_batch_size": PROMPTS, "micro_batch_size": 4})
     assert config.on_policy_update
     state, _ = _run(config)
     layout = RunLayout(config.run.storage_root, "on-policy")
@@ -179,7 +179,7 @@ def test_bf16_compute_trains_fp32_masters_at_lr_1e_6_and_logs_the_update_size(pr
     from safetensors.torch import load_file
 
     config = _config(tmp_path, tiny_inputs, "grpo", model={"compute_dtype": "bfloat16"},
-                     actor={"optim": {"lr": 1e-6}, "ppo_mini_batch_size": 16, "micro_batch_size": 8},
+                     actor={"optim": {"lr": 1e-6}, "ppo_mini_batch_size": 4, "micro_batch_size": 8},
                      reward={"function": "dense_reward:digit_share"}, warm_start={"steps": 0},
                      trainer={"val_every": 0, "checkpoint_every": 1})
     assert config.model.master_dtype == "float32"  # the default

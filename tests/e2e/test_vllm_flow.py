@@ -35,7 +35,7 @@ def test_flow_with_vllm_rollout_keeps_logprobs_consistent(prefect_api, tmp_path,
     config = make_config(tmp_path, "vllm", f"e2e-vllm-{engines}",
                          rollout={"engine": "vllm", "n": 4, "max_new_tokens": 6, "kv_cache_gib": 0.5,
                                   "logprobs_fraction": 0.5, "engines": engines},
-                         actor={"ppo_mini_batch_size": 8, "micro_batch_size": 8, "optim": {"lr": 1e-3}},
+                         actor={"ppo_mini_batch_size": 2, "micro_batch_size": 8, "optim": {"lr": 1e-3}},
                          warm_start={"steps": 3, "batch_size": 8},
                          trainer={"total_steps": STEPS, "val_every": 1, "device": "cpu"})
     loads_before = LOAD_COUNTS.get("rollout", 0)
@@ -86,7 +86,7 @@ def test_a_vllm_rollout_worker_imports_vllm_before_its_first_stage(prefect_api, 
 
     config = make_config(tmp_path, "vllm-workers", "e2e-vllm-workers",
                          rollout={"engine": "vllm", "n": 4, "max_new_tokens": 6, "kv_cache_gib": 0.5},
-                         actor={"ppo_mini_batch_size": 8, "micro_batch_size": 8},
+                         actor={"ppo_mini_batch_size": 2, "micro_batch_size": 8},
                          # the actor's worker prepares its model from the warm-start's output: after it
                          warm_start={"steps": 3, "batch_size": 8},
                          placement={"default": "cpu"},

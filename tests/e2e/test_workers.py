@@ -25,7 +25,7 @@ PROMPTS, SAMPLES = 4, 4
 @pytest.fixture
 def _config(make_config):
     def make(tmp_path, tiny_inputs, name, **sections):
-        sections.setdefault("actor", {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "use_kl_loss": True})
+        sections.setdefault("actor", {"ppo_mini_batch_size": 2, "micro_batch_size": 4, "use_kl_loss": True})
         return make_config(tmp_path, name, "workers", placement={"default": "cpu"},
                            trainer={"total_steps": 2, "val_every": 1, "device": "cpu", "execution": "workers",
                                     "worker_timeout_s": 4}, **sections)
@@ -187,7 +187,7 @@ def test_one_step_ahead_rollout_uses_the_policy_of_the_step_before(prefect_api, 
     published for step k: every rollout but the first is one update behind."""
     from mlflow.tracking import MlflowClient
 
-    config = _config(tmp_path, tiny_inputs, "ahead", actor={"ppo_mini_batch_size": 8, "micro_batch_size": 4})
+    config = _config(tmp_path, tiny_inputs, "ahead", actor={"ppo_mini_batch_size": 2, "micro_batch_size": 4})
     config = config.model_copy(update={"trainer": config.trainer.model_copy(
         update={"one_step_ahead": True, "total_steps": 3, "val_every": 0})})
     state, beats, _ = _train_with_workers(config, prefect_api)

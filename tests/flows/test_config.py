@@ -35,7 +35,7 @@ def test_defaults_build():
     assert config.critic.optim.lr == 1e-5
     assert config.rollout.n == 8
     assert config.algorithm.adv_estimator == "grpo"
-    assert config.actor.micro_batch_size <= config.actor.ppo_mini_batch_size
+    assert config.actor.micro_batch_size <= config.actor.ppo_mini_batch_size * config.rollout.n  # samples vs prompts
     assert config.data.max_val_prompts is None
     # load_config without a path gives the same defaults
     assert load_config() == config
@@ -61,7 +61,7 @@ def test_quickstart_yaml_values():
     assert config.data.prompts_per_step == 32
     assert config.rollout.max_new_tokens == 4
     assert config.rollout.val_temperature == 1.0
-    assert config.actor.ppo_mini_batch_size == 128
+    assert config.actor.ppo_mini_batch_size == 16  # prompts (x rollout.n=8: 128 samples)
     assert config.actor.micro_batch_size == 128
     assert config.actor.use_kl_loss is True
     assert config.warm_start.steps == 300
@@ -286,11 +286,15 @@ def test_reward_model_without_path():
 
 
 def test_micro_batch_larger_than_mini_batch():
-    message = config_error(["actor.micro_batch_size=512", "actor.ppo_mini_batch_size=256"])
-    assert "actor.micro_batch_size=512" in message
-    assert "actor.ppo_mini_batch_size=256" in message
-    # equal is fine
-    build_config(overrides=["actor.micro_batch_size=256", "actor.ppo_mini_batch_size=256"])
+    """Mini-batches count prompts (verl's unit), micro-batches samples: 32 prompts x rollout.n=8 = 256 samples."""
+    message = config_error(["actor.micro_batch_size=512", "actor.ppo_mini_batch_size=32"])
+    assert message == ("actor.micro_batch_size=512 (samples) must be <= the mini-batch's 256 samples "
+                       "(actor.ppo_mini_batch_size=32 prompts x rollout.n=8)")
+    build_config(overrides=["actor.micro_batch_size=256", "actor.ppo_mini_batch_size=32"])  # equal is fine
+    # the critic is checked when the run has one (it used to pass silently)
+    assert "critic.micro_batch_size=64" in config_error(["algorithm.adv_estimator=gae", "critic.micro_batch_size=64",
+                                                         "critic.ppo_mini_batch_size=4", "rollout.n=8"])
+    build_config(overrides=["critic.micro_batch_size=64", "critic.ppo_mini_batch_size=4"])  # GRPO: no critic
 
 
 def test_run_name_with_slash():

@@ -21,6 +21,7 @@ ROLLOUT = {
     "response_text": ["ab", "c", ""],
     "ground_truth": ["2", "2", "x"],
     "data_source": ["gsm8k"] * 3,
+    "extra_info": ['{"index": 0}', "null", '{"answer": "#### 2"}'],
     "finish_reason": ["stop", "length", "stop"],
 }
 

@@ -11,7 +11,7 @@ def test_stage_arrow_schema_has_declared_types_in_order():
     schema = STAGES["rollout"].arrow_schema()
     assert schema.names == [
         "uid", "group_id", "prompt_ids", "response_ids", "rollout_logprobs",
-        "response_text", "ground_truth", "data_source", "finish_reason",
+        "response_text", "ground_truth", "data_source", "extra_info", "finish_reason",
     ]
     assert schema.field("prompt_ids").type == pa.list_(pa.int32())
     assert schema.field("rollout_logprobs").type == pa.list_(pa.float32())

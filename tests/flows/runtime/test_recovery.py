@@ -135,7 +135,8 @@ def test_a_stage_that_is_not_skippable_always_runs_and_keeps_no_metrics(tmp_path
 def test_an_output_not_per_sample_skips_the_row_count(layout):
     validate = _spec("validate", "validation", per_sample=False)
     write_stage(layout, 0, "validation", {"uid": ["v0", "v1"], "prompt_text": ["p", "q"], "response_text": ["a", "b"],
-                                          "ground_truth": ["a", "c"], "data_source": ["d", "d"], "score": [1.0, 0.0]})
+                                          "ground_truth": ["a", "c"], "data_source": ["d", "d"],
+                                          "extra_info": ["null", "null"], "score": [1.0, 0.0]})
     record_stage_metrics(layout, validate, 0, {"val/score": 0.5})
     assert finished_stage_metrics(layout, validate, 0, 64) == {"val/score": 0.5}
 

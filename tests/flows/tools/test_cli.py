@@ -116,10 +116,10 @@ def test_config_show_overrides_without_file():
 def test_config_show_in_process(capsys):
     from flows.tools.cli import main
 
-    assert main(["config", "show", str(REPO / QUICKSTART), "rollout.n=4"]) == 0
+    assert main(["config", "show", str(REPO / QUICKSTART), "rollout.n=16"]) == 0
     out, err = capsys.readouterr()
     assert err == ""
-    assert yaml.safe_load(out)["rollout"]["n"] == 4
+    assert yaml.safe_load(out)["rollout"]["n"] == 16
 
 
 # --- user errors: one `error:` line, exit 2 --------------------------------------------------------
