@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from components.distributed import full_state_dict, is_distributed, is_writer
-from components.training import Updater
-from components.training import make_optimizer
+from components.training import Updater, make_optimizer
 from storage import atomic_directory
 
 TRAINER_STATE = "trainer_state.pt"
@@ -47,7 +46,8 @@ def save_role_checkpoint(fs, path: str, model, updater: Updater, tokenizer=None)
 
 def load_trainer_state(updater: Updater, local_path: str) -> None:
     """Restore optimizer, schedule, update count and RNG from a checkpoint folder (local path)."""
-    state = torch.load(f"{local_path}/{TRAINER_STATE}", map_location="cpu", weights_only=False)
+    # weights_only: tensors and plain containers only, so a planted trainer_state.pt cannot run code.
+    state = torch.load(f"{local_path}/{TRAINER_STATE}", map_location="cpu", weights_only=True)
     updater.updates = state["updates"]
     torch.set_rng_state(state["torch_rng"])
     if state["optimizer"] is None:

@@ -43,6 +43,13 @@ class RunConfig(Section):
     """Continue the run of this name from its latest checkpoint; stages whose committed output
     exists and validates are not run again (`rlhf resume RUN` sets this)."""
 
+    @field_validator("name")
+    @classmethod
+    def _not_only_dots(cls, value: str) -> str:
+        if set(value) == {"."}:
+            raise ValueError(f"{value!r} names no folder of its own; use letters, digits, '.', '_' or '-'")
+        return value
+
 
 class ModelConfig(Section):
     path: str = ".rlhf/models/tiny-qwen2"

@@ -143,6 +143,10 @@ def start_run(config: Config) -> RunState:
                 raise ConfigError(
                     f"run.name={config.run.name!r}: {layout.run_dir} already exists; choose another run.name, "
                     "resume it (rlhf resume), or set run.overwrite=true to start it over")
+            if not layout.exists(run_record_path(layout)):
+                raise ConfigError(
+                    f"run.overwrite=true: {layout.run_dir} holds no run.json, so it is not a run of this project; "
+                    "it is left as it is; choose another run.name or run.storage_root")
             layout.fs.rm(layout.run_dir, recursive=True)
         layout.fs.makedirs(layout.run_dir, exist_ok=True)
         tracker = Tracker(config)

@@ -7,6 +7,7 @@ stages finish on Prefect's worker threads and the global run is thread-local.
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import tempfile
 import time
@@ -49,6 +50,15 @@ def _assignment(value) -> str:
     return ",".join(str(index) for index in value) if isinstance(value, list) else str(value)
 
 
+CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+
+
+def redact_credentials(text: str) -> str:
+    """URIs with a user or password (`s3://key:secret@bucket`, `postgresql://user:pw@host/db`) as
+    `scheme://***@...`: what goes to MLflow (params, tags, config artifacts) never holds them."""
+    return CREDENTIALS.sub(lambda match: f"{match['scheme']}***@", text)
+
+
 def placement_summary(config: Config) -> str:
     """One line of where each role is placed, e.g. "rollout=0 actor=1 critic=0 reference=1 reward=cpu".
 
@@ -72,10 +82,11 @@ def run_description(config: Config) -> str:
 
 def run_tags(config: Config) -> dict[str, str]:
     """The tags a new training run gets."""
-    return {RUN_NAME_TAG: config.run.name, "rlhf.algorithm": config.algorithm.adv_estimator,
+    tags = {RUN_NAME_TAG: config.run.name, "rlhf.algorithm": config.algorithm.adv_estimator,
             "mlflow.source.git.commit": _git_commit(), "rlhf.storage_root": config.run.storage_root,
             "rlhf.placement": placement_summary(config), "rlhf.execution": config.trainer.execution,
             "mlflow.note.content": run_description(config)}
+    return {key: redact_credentials(value) for key, value in tags.items()}
 
 
 def config_yaml(config: Config) -> str:
@@ -142,11 +153,11 @@ class Tracker:
         self.experiment_id = experiment_id
 
     def _log_params(self, config: Config, run_id: str) -> None:
-        params = [Param(key, str(value)[:MAX_PARAM_LENGTH]) for key, value in flatten(config).items()]
+        params = [Param(key, redact_credentials(str(value))[:MAX_PARAM_LENGTH]) for key, value in flatten(config).items()]
         for start in range(0, len(params), 100):
             self.client.log_batch(run_id, params=params[start : start + 100])
-        self.client.log_text(run_id, config.model_dump_json(indent=2), "config.json")
-        self.client.log_text(run_id, config_yaml(config), "config.yaml")
+        self.client.log_text(run_id, redact_credentials(config.model_dump_json(indent=2)), "config.json")
+        self.client.log_text(run_id, redact_credentials(config_yaml(config)), "config.yaml")
 
     def log_params(self, params: dict[str, str]) -> None:
         """Params beyond the config (a resumed run already has them: MLflow refuses to change a param)."""

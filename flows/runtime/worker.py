@@ -17,7 +17,6 @@ import contextlib
 import importlib
 import json
 import os
-import pickle
 import socket
 import subprocess
 import sys
@@ -26,7 +25,6 @@ import time
 import traceback
 from typing import Callable, Iterator, Mapping
 
-import cloudpickle
 import fsspec
 from prefect.task_worker import serve
 
@@ -150,12 +148,13 @@ CURRENT: Heartbeat | None = None
 """The heartbeat of this process when it is a worker (None in the driver)."""
 
 RESULTS_SUBDIR = "results"
-"""Where a worker leaves each finished stage's return value for the driver (`<heartbeat dir>/results/`)."""
+"""Where a worker leaves each finished stage's return value for the driver (`<heartbeat dir>/results/`), as
+JSON: nothing the driver reads from this (possibly shared) folder can run code in it."""
 
 
 def _result_path(task_run_id: str, directory: str | None = None):
     fs, root = fsspec.core.url_to_fs(directory or heartbeat_dir())
-    return fs, f"{root.rstrip('/')}/{RESULTS_SUBDIR}/{task_run_id}.pkl"
+    return fs, f"{root.rstrip('/')}/{RESULTS_SUBDIR}/{task_run_id}.json"
 
 
 def publish_result(task_run_id: str, value, directory: str | None = None) -> bool:
@@ -163,11 +162,10 @@ def publish_result(task_run_id: str, value, directory: str | None = None) -> boo
     renamed). The driver then need not wait for the task run's Completed state, which Prefect records
     from an event, at times seconds late (see flows.runtime.dispatch). False when it could not be written: the
     driver then waits for the state, as before."""
-    # A stage ran, so torch (which storage imports) is already loaded.
     try:
-        write_bytes_atomic(*_result_path(task_run_id, directory), cloudpickle.dumps(value))
+        write_bytes_atomic(*_result_path(task_run_id, directory), json.dumps(value).encode())
         return True
-    except OSError as error:
+    except (OSError, TypeError, ValueError) as error:  # TypeError: a value JSON cannot hold
         print(f"stage result not published (the driver waits for the Prefect state): {error}", flush=True)
         return False
 
@@ -177,8 +175,8 @@ def take_result(task_run_id: str, directory: str | None = None) -> tuple[bool, o
     fs, path = _result_path(task_run_id, directory)
     try:
         with fs.open(path, "rb") as handle:
-            value = pickle.loads(handle.read())
-    except (OSError, EOFError, pickle.UnpicklingError):  # not there (yet), or storage hiccup: look again later
+            value = json.loads(handle.read())
+    except (OSError, ValueError):  # not there (yet), or storage hiccup: look again later
         return False, None
     try:
         fs.rm(path)

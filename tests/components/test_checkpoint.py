@@ -55,3 +55,27 @@ def test_a_full_disk_while_checkpointing_leaves_the_previous_checkpoint(model_pa
     after = {path.name: path.read_bytes() for path in target.iterdir()}
     assert after == before  # untouched, marker included
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no half-written sibling left behind
+
+
+class _Payload:
+    """Unpickling this runs code: it would create the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_planted_trainer_state_does_not_run_code_on_load(model_path, tmp_path):
+    """trainer_state.pt loads with weights_only=True: tensors and plain containers, never code (issue 20)."""
+    import pickle
+
+    from components.checkpoint import TRAINER_STATE, load_trainer_state
+
+    actor = Actor.from_pretrained(model_path, ActorConfig(ppo_mini_batch_size=4, micro_batch_size=2), device="cpu")
+    marker = tmp_path / "executed"
+    torch.save({"updates": _Payload(str(marker))}, tmp_path / TRAINER_STATE)
+    with pytest.raises(pickle.UnpicklingError):
+        load_trainer_state(actor.updater, str(tmp_path))
+    assert not marker.exists()

@@ -428,3 +428,10 @@ def test_several_rollout_engines_need_vllm():
     assert message.startswith("rollout.engines=2: several engines are vLLM engines"), message
     assert "rollout.engines" in config_error(["rollout.engines=0"])
     assert build_config(None, ["rollout.engines=2"]).rollout.engines == 2
+
+
+def test_a_run_name_of_dots_is_refused():
+    for name in (".", ".."):
+        assert config_error([f"run.name={name}"]) == (f"run.name={name!r}: {name!r} names no folder of its own; use "
+                                                      "letters, digits, '.', '_' or '-'")
+    assert build_config(overrides=["run.name=v1.2"]).run.name == "v1.2"

@@ -78,7 +78,7 @@ def test_a_published_stage_result_is_taken_once_and_the_file_removed(tmp_path):
     result = {"path": "runs/x/step_00001/reward.parquet", "metrics": {"reward/mean": 0.25}, "worker_started_at": 5.0}
     assert take_result("run-1", str(tmp_path)) == (False, None)
     assert publish_result("run-1", result, str(tmp_path))
-    assert [path.name for path in (tmp_path / "results").iterdir()] == ["run-1.pkl"]  # no .tmp left
+    assert [path.name for path in (tmp_path / "results").iterdir()] == ["run-1.json"]  # no .tmp left
     assert take_result("run-1", str(tmp_path)) == (True, result)
     assert take_result("run-1", str(tmp_path)) == (False, None)
     assert not list((tmp_path / "results").iterdir())
@@ -127,3 +127,27 @@ def test_a_run_queued_while_its_worker_preloads_waits_then_counts_idle_time_from
                         now=ended + 2 * TIMEOUT - 1) == "waiting"
     assert runs.observe([{**after, "beat": ended + 2 * TIMEOUT + 1}], running=False,
                         now=ended + 2 * TIMEOUT + 1) == "lost"
+
+
+class _Payload:
+    """Unpickling this runs code: it would create the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_planted_pickle_is_never_unpickled_by_the_driver(tmp_path):
+    """Anyone who can write the (shared) worker folder must not run code in the driver (issue 20)."""
+    import pickle
+
+    from flows.runtime.worker import take_result
+
+    marker = tmp_path / "executed"
+    (tmp_path / "results").mkdir()
+    for name in ("run-3.pkl", "run-3.json"):  # the old file name, and pickle bytes under the new one
+        (tmp_path / "results" / name).write_bytes(pickle.dumps(_Payload(str(marker))))
+    assert take_result("run-3", str(tmp_path)) == (False, None)
+    assert not marker.exists()

@@ -21,3 +21,21 @@ def test_gpus_count_the_distinct_gpus_of_the_workers(tmp_path, monkeypatch):
     for path in tmp_path.iterdir():
         path.unlink()
     assert RunState.gpus(workers) == 1  # CPU workers only (or none yet): one
+
+
+def test_overwrite_never_deletes_a_folder_that_is_not_a_run(tmp_path):
+    from flows.config import ConfigError
+    from flows.runtime.driver import start_run
+
+    precious = tmp_path / "runs" / "thesis"
+    precious.mkdir(parents=True)
+    (precious / "chapter1.tex").write_text("months of work")
+    config = build_config({}, [f"run.storage_root={tmp_path / 'runs'}", "run.name=thesis", "run.overwrite=true",
+                               f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"])
+    try:
+        start_run(config)
+        raise AssertionError("start_run deleted a folder that holds no run.json")
+    except ConfigError as error:
+        assert "holds no run.json" in str(error)
+    assert (precious / "chapter1.tex").read_text() == "months of work"
+    assert not (tmp_path / "mlflow.db").exists()  # refused before any MLflow run

@@ -139,3 +139,15 @@ def test_system_metrics_are_logged_under_the_role(tmp_path):
     stop_system_metrics()  # nothing running: a no-op
     tracker.finish()
     other.finish()
+
+
+def test_credentials_in_uris_never_reach_mlflow():
+    from flows.runtime.tracking import redact_credentials, run_tags
+
+    assert redact_credentials("s3://AKIA:secret/x@bucket/runs") == "s3://AKIA:secret/x@bucket/runs"  # '/' ends userinfo
+    assert redact_credentials("s3://AKIA:s3cr3t@bucket/runs") == "s3://***@bucket/runs"
+    assert redact_credentials("postgresql://me:pw@db:5432/mlflow and gs://b/x") == "postgresql://***@db:5432/mlflow and gs://b/x"
+    assert redact_credentials("/plain/path") == "/plain/path"
+    config = build_config({}, ["run.storage_root=s3://key:secret@bucket/runs"])
+    tags = run_tags(config)
+    assert "secret" not in " ".join(tags.values()) and tags["rlhf.storage_root"] == "s3://***@bucket/runs"
