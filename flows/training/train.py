@@ -24,7 +24,7 @@ import time
 
 from prefect import flow, get_run_logger
 
-from flows.config import Config, layout_for
+from flows.config import Config, ConfigError, build_config, layout_for, load_config
 from flows.runtime.driver import RunState, for_this_flow_run, start_run
 from flows.runtime.residents import release_run
 from flows.runtime.system_metrics import stop_system_metrics
@@ -92,11 +92,29 @@ def prepared_roles(config: Config) -> list[str]:
     return [role for role in config.roles if role != "rollout"]
 
 
+def resolve_config(config: Config | None = None, config_file: str | None = None,
+                   deployment_overrides: list[str] | None = None, overrides: list[str] | None = None) -> Config:
+    """The run's config from the flow's parameters: the typed tree `config`, or the YAML `config_file`
+    (relative to the working directory: the checkout, for a deployment), then `deployment_overrides` (a
+    deployment's own, in prefect.yaml) and `overrides` (a run's), each `key.path=value` as on the command line.
+    Prefect replaces a list parameter whole, so a run's `overrides` never drop the deployment's."""
+    listed = [*(deployment_overrides or []), *(overrides or [])]
+    if config_file is not None:
+        if config is not None:
+            raise ConfigError("give the flow either config or config_file, not both")
+        return load_config(config_file, listed)
+    if config is None:
+        return load_config(None, listed)
+    return build_config(config.model_dump(mode="json"), listed) if listed else config
+
+
 @flow(name="rlhf-train", log_prints=True)
-def train(config: Config) -> dict:
-    """Train a causal LM with PPO/GRPO; return the final validation reward and where to look."""
+def train(config: Config | None = None, config_file: str | None = None, deployment_overrides: list[str] | None = None,
+          overrides: list[str] | None = None) -> dict:
+    """Train a causal LM with PPO/GRPO; return the final validation reward and where to look. The config is
+    `config`, or `config_file` (YAML), plus `key=value` overrides (see resolve_config)."""
     logger = get_run_logger()
-    config = for_this_flow_run(config)
+    config = for_this_flow_run(resolve_config(config, config_file, deployment_overrides, overrides))
     inputs = check_inputs(config)  # before the run folder or the MLflow run exists
     state = start_run(config)
     for line in inputs.lines():
