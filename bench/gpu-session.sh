@@ -5,6 +5,10 @@
 #                                      STEPS measured steps, default 2), each bounded by what is left of DEADLINE_S
 #                                      (default 590 s from the script's start); shared Prefect server; PRODUCT_SET as
 #                                      for phase t
+#   bash bench/gpu-session.sh w        one H200, GPU 0: bench/weight_sync.py (storage, then memory) at the 0.5B, then
+#                                      the 1.5B shape (weight-sync-0.5b.json, weight-sync-1.5b.json)
+#   bash bench/gpu-session.sh ws       one H200, GPU 0: product GRPO (0.5B) with trainer.weight_sync=memory, then storage
+#                                      (WS_MODES="storage memory" for the other order)
 #   bash bench/gpu-session.sh big      one H200, GPU 0: product GRPO at the Qwen2.5-1.5B shape, then at the 3B shape
 #                                      (grpo-1gpu-1.5b.json, grpo-1gpu-3b.json; models built here in bf16 under
 #                                      /tmp/rlhf-bench-models/<preset>), bounded by DEADLINE_S as `one`;
@@ -77,7 +81,7 @@ shared_prefect_server() {  # one Prefect server for every run of the session (sa
   "$PY" -c "from flows.runtime.launcher import wait_until_healthy; wait_until_healthy('${PREFECT_API_URL%/}', None)"
   echo "== $(date +%T) (+$((SECONDS - STARTED)) s) shared Prefect server at $PREFECT_API_URL"
 }
-case " $* " in *" table "*|*" t "*|*" t1 "*|*" t2 "*|*" s1 "*|*" ae "*|*" pe "*|*" te "*|*" one "*|*" big "*)
+case " $* " in *" table "*|*" t "*|*" t1 "*|*" t2 "*|*" s1 "*|*" ae "*|*" pe "*|*" te "*|*" one "*|*" big "*|*" ws "*)
   shared_prefect_server start ;; esac
 case " $* " in
   " big ") ;;  # builds its own models (1.5B, 3B), not the 0.5B one
@@ -108,13 +112,23 @@ run() {  # run NAME GPUS COMMAND...: log to $OUT/NAME.log, keep the JSON in $OUT
   CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "$PY" "$@" --model-dir "$MODEL" --out "$OUT/$name.json" \
     > "$LOGS/$name.log" 2>&1
   local rc=$?
-  echo "== $(date +%T) (+$((SECONDS - STARTED)) s) $name exit $rc"; grep -E "^\| |^RESULT" "$LOGS/$name.log" | cut -c1-400 || tail -25 "$LOGS/$name.log"
+  echo "== $(date +%T) (+$((SECONDS - STARTED)) s) $name exit $rc"; grep -E "^\| |^RESULT|^== (storage|memory)" "$LOGS/$name.log" | cut -c1-400 || tail -25 "$LOGS/$name.log"
   [ $rc -eq 0 ] || tail -40 "$LOGS/$name.log"
   pack_logs
 }
 
 for phase in "$@"; do
   case $phase in
+    w) export DEADLINE_S=${DEADLINE_S:-590}  # one H200: weight hand-over, storage then memory, 0.5B then 1.5B shape
+       run weight-sync-0.5b 0 bench/weight_sync.py --preset qwen2.5-0.5b
+       build_model qwen2.5-1.5b && MODEL=/tmp/rlhf-bench-models/qwen2.5-1.5b run weight-sync-1.5b 0 \
+         bench/weight_sync.py --preset qwen2.5-1.5b ;;
+    ws) shared_prefect_server  # one H200: the product's GRPO step (0.5B), weights in memory, then through storage
+       export DEADLINE_S=${DEADLINE_S:-590}
+       steps=${STEPS:-2}
+       for mode in ${WS_MODES:-memory storage}; do  # WS_MODES="storage memory": the other order
+         run "grpo-1gpu-$mode" 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps" --set "trainer.weight_sync=$mode"
+       done ;;
     one) shared_prefect_server  # one H200: the three 0.5B rows of the table, back to back on GPU 0
        export DEADLINE_S=${DEADLINE_S:-590}
        steps=${STEPS:-2}

@@ -21,8 +21,9 @@ class RolloutRole(Protocol):
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         """`n` samples per prompt, prompt-major, with the log-probs of the sampled tokens."""
 
-    def load_weights(self, path: str) -> None:
-        """Replace the weights in place from a safetensors folder."""
+    def load_weights(self, source) -> None:
+        """Replace the weights in place from a safetensors folder (a path) or from the actor's live model
+        (components.weights.InMemoryWeights)."""
 
 
 @runtime_checkable

@@ -77,10 +77,24 @@ class HFRolloutEngine:
                                trust_remote_code=trust_remote_code)
         return cls(model, load_tokenizer(path, trust_remote_code), micro_batch_size=micro_batch_size)
 
-    def load_weights(self, path: str) -> None:
-        """Replace the weights in place from a safetensors folder (the actor's published copy)."""
+    def load_weights(self, source) -> None:
+        """Replace the weights in place: from a safetensors folder (a stored copy of the actor's), or from
+        the actor's live model in memory (components.weights.InMemoryWeights), tensor by tensor."""
         from safetensors.torch import load_file
 
+        if not isinstance(source, str):
+            current = self.model.state_dict()
+            received = 0
+            with torch.no_grad():
+                for name, tensor in source.tensors():
+                    if name not in current or current[name].shape != tensor.shape:
+                        raise ValueError(f"in-memory weights do not match the rollout model at {name!r}")
+                    current[name].copy_(tensor)
+                    received += 1
+            if received == 0:
+                raise ValueError("the in-memory weights hold no tensors")
+            return
+        path = source
         state = {}
         for shard in sorted(Path(path).glob("*.safetensors")):
             state.update(load_file(shard, device=str(next(self.model.parameters()).device)))

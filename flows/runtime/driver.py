@@ -13,14 +13,14 @@ from pathlib import Path
 from prefect.runtime import flow_run
 
 from components.algorithms import make_kl_controller
-from flows.config import Config, ConfigError, layout_for
+from flows.config import Config, ConfigError, RunConfig, layout_for
 from flows.runtime.artifacts import PrefectArtifacts
 from flows.runtime.dispatch import RemoteStage
 from flows.runtime.recovery import (commit_checkpoint, driver_state, finished_stage_metrics, latest_checkpoint,
                                     read_run_record, record_stage_metrics, run_record_path, write_run_record)
 from flows.runtime.residents import release_run
 from flows.runtime.system_metrics import start_system_metrics
-from flows.runtime.tracking import Tracker, tracking_uri
+from flows.runtime.tracking import Tracker, flow_run_tags, tracking_uri
 from flows.runtime.worker import heartbeat_dir, read_heartbeats
 
 
@@ -104,13 +104,20 @@ class RunState:
                           keep=self.config.trainer.keep_checkpoints)
 
 
+def run_name_for_this_flow_run(run: RunConfig) -> str:
+    """run.name, or with run.name_timestamp (and not resuming) run.name plus the flow run's scheduled start
+    time in UTC: the scheduled time, not the clock, so that a retried flow run finds the same folder."""
+    if not run.name_timestamp or run.resume:
+        return run.name
+    start = flow_run.scheduled_start_time or datetime.datetime.now(datetime.timezone.utc)
+    return f"{run.name}-{start:%Y%m%d-%H%M%S}"
+
+
 def for_this_flow_run(config: Config) -> Config:
     """The run's final name (run.name_timestamp) and whether to resume (Prefect retrying the flow run)."""
     run = config.run
     if run.name_timestamp and not run.resume:
-        # The scheduled time, not the clock: a retried flow run must find the same folder.
-        start = flow_run.scheduled_start_time or datetime.datetime.now(datetime.timezone.utc)
-        run = run.model_copy(update={"name": f"{run.name}-{start:%Y%m%d-%H%M%S}", "name_timestamp": False})
+        run = run.model_copy(update={"name": run_name_for_this_flow_run(run), "name_timestamp": False})
     config = config.model_copy(update={"run": run})
     layout = layout_for(config)
     if (flow_run.run_count or 1) > 1 and not run.resume and layout.exists(run_record_path(layout)):
@@ -118,9 +125,13 @@ def for_this_flow_run(config: Config) -> Config:
     return config
 
 
-def start_run(config: Config) -> RunState:
+def start_run(config: Config, lineage: dict | None = None) -> RunState:
     """A new run (refusing to overwrite an earlier one by accident) or, with run.resume, the same run
-    continued: same MLflow run, the KL controller and the step of its latest checkpoint."""
+    continued: same MLflow run, the KL controller and the step of its latest checkpoint.
+
+    A new run records its `lineage` (what it starts from: the resolved data files, the run and step of
+    model.from_run) in run.json and in MLflow; a resumed run keeps the lineage it started with. Either way the
+    MLflow run is tagged with the Prefect flow run now running it (flows.runtime.tracking.flow_run_tags)."""
     layout = layout_for(config)
     ctrl = config.algorithm.kl_ctrl
     controller = make_kl_controller(ctrl.type, ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
@@ -151,8 +162,12 @@ def start_run(config: Config) -> RunState:
         layout.fs.makedirs(layout.run_dir, exist_ok=True)
         tracker = Tracker(config)
         write_run_record(layout, {"config": _with_absolute_paths(config), "mlflow_run_id": tracker.run_id,
-                                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat()})
+                                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                  "lineage": lineage or {}})
+        if lineage:
+            tracker.log_lineage(lineage)
         state_kwargs = {}
+    tracker.set_tags(flow_run_tags())
     start_system_metrics(config, "driver")
     artifacts = PrefectArtifacts(config, tracker.uri, tracker.experiment_id, tracker.run_id)
     return RunState(config=config, tracker=tracker, kl_controller=controller, artifacts=artifacts, **state_kwargs)

@@ -2,7 +2,8 @@
 trained role restores.
 
 Files, all under the run folder and all written atomically:
-    run.json                        the config and the MLflow run id (written when the run starts)
+    run.json                        the config, the MLflow run id and the lineage (the data files the run
+                                    read, the run and step model.from_run started from), when the run starts
     checkpoints/<k>/actor|critic/   role state at the start of step k (components/checkpoint.py)
     checkpoints/<k>/driver.json     the KL controller at the start of step k
     checkpoints/latest.json         {"step": k}, written after every part of checkpoint k

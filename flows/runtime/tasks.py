@@ -46,8 +46,20 @@ def inject_failure(stage: str, step) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def task_run_name(stage: str) -> Callable[..., str]:
+    """How a stage's task runs are named in Prefect: `<stage>-<step>` (`rollout-3`, `validate-0`), or the stage's
+    name for a stage without a step (`warm_start`, `prepare_actor`). Prefect calls it with the call's
+    parameters, named as in the stage function's signature."""
+
+    def name(parameters: dict) -> str:
+        step = parameters.get("step")
+        return stage if step is None else f"{stage}-{step}"
+
+    return name
+
+
 def stage_task(function: Callable[..., dict], name: str):
-    """The Prefect task of one stage function `function(config, *args)`."""
+    """The Prefect task of one stage function `function(config, *args)`, its runs named by task_run_name."""
 
     @functools.wraps(function)
     def run_stage(*args, **kwargs):
@@ -74,4 +86,4 @@ def stage_task(function: Callable[..., dict], name: str):
 
     # No tags: a tagged task asks the server for tag concurrency slots on every run, which cost
     # about 2 s per stage here even with no limits defined.
-    return task(run_stage, name=name, cache_policy=NO_CACHE)
+    return task(run_stage, name=name, cache_policy=NO_CACHE, task_run_name=task_run_name(name))

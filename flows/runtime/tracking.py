@@ -2,28 +2,45 @@
 
 The flow uses an `MlflowClient` with the run id rather than mlflow's global "active run", because
 stages finish on Prefect's worker threads and the global run is thread-local.
+
+Besides the config and the metrics, a run records its lineage (the data files its globs matched, the run and
+step `model.from_run` started from: `log_lineage`), the Prefect flow run it ran in (`flow_run_tags`), and its
+final policy as an MLflow transformers model (`log_model`), optionally registered as a new version of a
+registered model (`register_model`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
+import json
+import logging
 import math
 import re
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import fsspec
 import mlflow
+import mlflow.transformers
 import yaml
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.models import infer_signature
 from mlflow.tracking import MlflowClient
+from prefect.runtime import flow_run as prefect_flow_run
+from prefect.utilities.urls import url_for
 
 from components.placement import ROLES
 from flows.config import Config, flatten
 
 MAX_PARAM_LENGTH = 6000
 RUN_NAME_TAG = "rlhf.run_name"
+MODEL_ARTIFACT_PATH = "model"
+LINEAGE_FILE = "lineage.json"
 
 
 def tracking_uri(config: Config) -> str:
@@ -125,6 +142,75 @@ def find_active_run_id(config: Config) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
+def flow_run_tags() -> dict[str, str]:
+    """Tags pointing a training's MLflow run to the Prefect flow run this code runs in: prefect.flow_run_id,
+    prefect.flow_run_name and prefect.flow_run_url (its page in the Prefect UI, when a UI or API URL is
+    set). None outside a flow run."""
+    flow_run_id = prefect_flow_run.id
+    if not flow_run_id:
+        return {}
+    tags = {"prefect.flow_run_id": str(flow_run_id)}
+    if name := prefect_flow_run.name:
+        tags["prefect.flow_run_name"] = str(name)
+    if url := url_for("flow-run", obj_id=str(flow_run_id)):
+        tags["prefect.flow_run_url"] = url
+    return tags
+
+
+def lineage_params(lineage: dict) -> dict[str, str]:
+    """MLflow params of a run's lineage (flows/training/preflight.py, `InputSummary.lineage`): for each list of
+    data files, `lineage.data.<field>` (each resolved file as "path (size bytes, modified time)"; cut with a note
+    past MLflow's param length, lineage.json has them all), `.count` and `.bytes`; with model.from_run,
+    `lineage.from_run` and `lineage.from_run.step` (the step of the weights the run started from)."""
+    params: dict[str, str] = {}
+    for field, files in (lineage.get("data") or {}).items():
+        listed = "; ".join(f"{entry['path']} ({entry.get('size')} bytes, {entry.get('modified')})" for entry in files)
+        if len(listed) > MAX_PARAM_LENGTH:
+            note = f" ... ({len(files)} files; {LINEAGE_FILE} lists them all)"
+            listed = listed[: MAX_PARAM_LENGTH - len(note)] + note
+        params[f"lineage.data.{field}"] = listed
+        params[f"lineage.data.{field}.count"] = str(len(files))
+        params[f"lineage.data.{field}.bytes"] = str(sum(entry.get("size") or 0 for entry in files))
+    if start := lineage.get("from_run"):
+        params["lineage.from_run"] = str(start["run"])
+        params["lineage.from_run.step"] = str(start["step"])
+    return {key: redact_credentials(value) for key, value in params.items()}
+
+
+def _model_requirements() -> list[str]:
+    """What serving the logged model needs: the installed transformers and torch (a local build tag such as
+    +cpu left out: the same release of another build serves it)."""
+    return [f"{package}=={importlib.metadata.version(package).split('+')[0]}" for package in ("transformers", "torch")]
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Only errors from that logger for a while."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _local_folder(folder: str | Path) -> Iterator[Path]:
+    """`folder` as a local path: itself, or a temporary copy of a remote (fsspec URI) one. FileNotFoundError
+    when it is not a folder."""
+    fs, root = fsspec.core.url_to_fs(str(folder))
+    if not fs.isdir(root):
+        raise FileNotFoundError(f"cannot log model folder {str(folder)!r}: not a folder")
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if "file" in protocols or "local" in protocols:
+        yield Path(root)
+        return
+    with tempfile.TemporaryDirectory(prefix="rlhf-model-") as temporary:
+        fs.get(root.rstrip("/") + "/", temporary, recursive=True)
+        yield Path(temporary)
+
+
 def artifact_location(uri: str) -> str | None:
     """With a SQLite store, artifacts go beside the database (`<db folder>/mlartifacts/`) instead of
     `./mlruns` under whatever the working directory is; servers choose their own."""
@@ -182,16 +268,71 @@ class Tracker:
         `local_dir` may also be an fsspec URI (the storage root may be remote): it is then copied
         to a temporary folder first. Raises FileNotFoundError when the folder does not exist.
         """
-        fs, root = fsspec.core.url_to_fs(str(local_dir))
-        if not fs.isdir(root):
-            raise FileNotFoundError(f"cannot log model folder {str(local_dir)!r}: not a folder")
-        protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-        if "file" in protocols or "local" in protocols:
-            self.client.log_artifacts(self.run_id, root, artifact_path)
-            return
-        with tempfile.TemporaryDirectory(prefix="rlhf-model-") as temporary:
-            fs.get(root.rstrip("/") + "/", temporary, recursive=True)
-            self.client.log_artifacts(self.run_id, temporary, artifact_path)
+        with _local_folder(local_dir) as local:
+            self.client.log_artifacts(self.run_id, str(local), artifact_path)
+
+    def log_model(self, folder: str | Path, generation_params: dict | None = None,
+                  artifact_path: str = MODEL_ARTIFACT_PATH) -> str:
+        """Log a Hugging Face causal-LM folder (weights, config, tokenizer: `rlhf export`'s) as an MLflow
+        transformers model (task text-generation) under `artifact_path`; return its URI, runs:/<run id>/<path>.
+
+        `mlflow.transformers.load_model(uri)` gives a text-generation pipeline, `mlflow.pyfunc.load_model(uri)`
+        a model whose predict takes prompts and, as params, `generation_params` (these values by default).
+        `folder` may be an fsspec URI (copied to a temporary folder first). The checkpoint is copied as it is
+        (no model is loaded) and the requirements are the installed transformers and torch (not inferred by
+        loading the model in a subprocess, which takes minutes for a large one).
+        """
+        signature = (infer_signature("prompt", "generated text", params=generation_params)
+                     if generation_params else None)
+        with _local_folder(folder) as local, tempfile.TemporaryDirectory(prefix="rlhf-mlflow-model-") as staging:
+            saved = Path(staging) / "model"
+            with _quiet("mlflow.transformers"):  # its model card and license are looked up on the Hub, by path
+                mlflow.transformers.save_model(str(local), str(saved), task="text-generation", signature=signature,
+                                               pip_requirements=_model_requirements())
+            self.client.log_artifacts(self.run_id, str(saved), artifact_path)
+        return f"runs:/{self.run_id}/{artifact_path}"
+
+    def register_model(self, name: str, tags: dict[str, str], artifact_path: str = MODEL_ARTIFACT_PATH,
+                       timeout_s: float = 300.0) -> str:
+        """Register the model logged under `artifact_path` (log_model) as a new version of the registered model
+        `name` (created when new), with `tags`; return the version. A run registers one version: a version of
+        this run already there (a run resumed after it registered) is kept and its tags updated. The MLflow
+        run gets the tag rlhf.registered_model = "<name>/<version>"."""
+        source = f"runs:/{self.run_id}/{artifact_path}"
+        try:
+            self.client.create_registered_model(name)
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        tags = {key: redact_credentials(str(value)) for key, value in tags.items()}
+        earlier = [version for version in self.client.search_model_versions(
+                       f"name = '{name}' and run_id = '{self.run_id}'") if version.source == source]
+        if earlier:
+            version = min(earlier, key=lambda version: int(version.version))
+            for key, value in tags.items():
+                self.client.set_model_version_tag(name, version.version, key, value)
+        else:
+            version = self.client.create_model_version(name, source, run_id=self.run_id, tags=tags)
+        deadline = time.monotonic() + timeout_s  # a tracking server may copy the files first
+        while version.status == "PENDING_REGISTRATION" and time.monotonic() < deadline:
+            time.sleep(1.0)
+            version = self.client.get_model_version(name, version.version)
+        if version.status != "READY":
+            raise RuntimeError(f"tracking.registered_model={name!r}: version {version.version} is "
+                               f"{version.status} ({version.status_message or 'no message'})")
+        self.set_tags({"rlhf.registered_model": f"{name}/{version.version}"})
+        return str(version.version)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Set (or replace) tags of the run."""
+        if tags:
+            self.client.log_batch(self.run_id, tags=[RunTag(key, redact_credentials(str(value)))
+                                                     for key, value in tags.items()])
+
+    def log_lineage(self, lineage: dict) -> None:
+        """What the run started from (see lineage_params) as params, and in full as the artifact lineage.json."""
+        self.log_params(lineage_params(lineage))
+        self.client.log_text(self.run_id, redact_credentials(json.dumps(lineage, indent=2)), LINEAGE_FILE)
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)

@@ -30,6 +30,7 @@ from prefect.task_worker import serve
 
 from components.distributed import broadcast_call, init_from_environment
 from components.vllm_rollout import preload_vllm
+from flows.runtime.console import quiet_console
 from flows.runtime.residents import LOAD_COUNTS, forget_earlier_run
 from flows.runtime.system_metrics import stop_system_metrics
 from storage import write_bytes_atomic
@@ -300,6 +301,7 @@ def serve_role(role: str, visible: str, tasks: list, directory: str | None = Non
     try:
         with CURRENT.preloading(preload):
             preload_modules(preload)
+        quiet_console()  # the worker's log: progress lines, not every task run's lifecycle
         # One stage at a time: a role's model is not safe to use from two stages at once.
         serve(*tasks, limit=1)
     finally:

@@ -9,10 +9,14 @@ the placement (`components.placement`) with memory estimates counted from the mo
 from __future__ import annotations
 
 import argparse
+import base64
 import importlib.metadata
+import ipaddress
 import json
 import os
 import platform
+import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -27,6 +31,7 @@ from components.devices import Inventory, inventory_from_system
 from components.placement import DTYPE_BYTES, GIB, describe_memory_basis, describe_visible
 from components.vllm_rollout import vllm_version
 from flows.config import load_config
+from flows.runtime.transport import weight_sync_mode
 from flows.training.engines import engine_tensor_parallel, rollout_engine_name, rollout_sleeps
 from flows.training.plan import parameter_counts, placement_verdict
 
@@ -91,13 +96,62 @@ def prefect_api_url(env: Mapping[str, str]) -> str | None:
         return None
 
 
+def http_status(url: str, auth_string: str | None = None) -> int | None:
+    """The HTTP status of GET `url` (with HTTP basic authentication when `auth_string` is given, as Prefect's
+    clients send PREFECT_API_AUTH_STRING); None when nothing answered."""
+    request = urllib.request.Request(url)
+    if auth_string:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth_string.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except Exception:  # refused, timed out, bad URL
+        return None
+
+
+def is_loopback(url: str) -> bool:
+    """Whether `url`'s host is this machine only (localhost, 127.0.0.0/8, ::1)."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def check_prefect(env: Mapping[str, str]) -> dict:
-    """The Prefect API answers /health, or is unset (a local server is started per run)."""
+    """The Prefect API answers /health, or is unset (a local server is started per run). Then whether it
+    asks for authentication (Prefect's PREFECT_SERVER_API_AUTH_STRING): an API that answers without it on an
+    address other hosts reach is a warning (anyone who reaches it can submit work to the workers); one that
+    asks for it fails unless PREFECT_API_AUTH_STRING here opens it."""
     url = prefect_api_url(env)
     if not url:
         return _check("ok", "not set: runs start a local server", url=None)
     answered, detail = http_health(url)
-    return _check("ok" if answered else "fail", detail, url=url)
+    if not answered:
+        return _check("fail", detail, url=url)
+    probe = url.rstrip("/") + "/admin/version"  # not one of the paths the server leaves open (/health, /ready)
+    anonymous = http_status(probe)
+    if anonymous is not None and 200 <= anonymous < 300:
+        if is_loopback(url):
+            return _check("ok", f"{detail}; no authentication (loopback only)", url=url)
+        return _check("warn", f"{detail}; answers without authentication on a non-loopback address: anyone who "
+                              "reaches it can submit work to the workers; start the server with "
+                              "PREFECT_SERVER_API_AUTH_STRING=user:secret and set PREFECT_API_AUTH_STRING to the same "
+                              "value for the driver and every worker", url=url)
+    if anonymous == 401:
+        auth_string = env.get("PREFECT_API_AUTH_STRING")
+        if not auth_string:
+            return _check("fail", f"{detail}; the API asks for authentication (HTTP 401) and PREFECT_API_AUTH_STRING "
+                                  "is not set: set it to the server's PREFECT_SERVER_API_AUTH_STRING", url=url)
+        if http_status(probe, auth_string) == 401:
+            return _check("fail", f"{detail}; PREFECT_API_AUTH_STRING is refused (HTTP 401): it must equal the "
+                                  "server's PREFECT_SERVER_API_AUTH_STRING", url=url)
+        return _check("ok", f"{detail}; authenticated (PREFECT_API_AUTH_STRING accepted)", url=url)
+    return _check("ok", detail, url=url)
 
 
 def _writable_folder(folder: Path) -> tuple[bool, str]:
@@ -209,6 +263,7 @@ def collect_report(config=None, env: Mapping[str, str] | None = None) -> dict:
     }
     if config is not None:
         report["rollout"] = rollout_engine_report(config, report["placement"], bool(inventory.gpus))
+        report["weight_sync"] = weight_sync_report(config, report["rollout"]["engine"], report["rollout"]["detail"])
     report["failed"] = report_failed(report)
     return report
 
@@ -234,6 +289,28 @@ def rollout_engine_report(config, placement: dict, has_gpus: bool) -> dict:
     residency = "sleeps between generations" if rollout_sleeps(config, True) else "stays resident"
     return {"engine": "vllm", "detail": f"{vllm_version()} on GPU {devices}, {engines}tensor parallel "
                                         f"{engine_tensor_parallel(config, gpus)}, {residency}"}
+
+
+def weight_sync_report(config, engine: str, engine_detail: str) -> dict:
+    """How the rollout engine gets each step's weights (trainer.weight_sync resolved) and what is stored."""
+    trainer = config.trainer
+    if weight_sync_mode(config) == "storage":
+        why = ("trainer.weight_sync=storage" if trainer.weight_sync == "storage"
+               else "the rollout runs in a worker of its own")
+        return {"mode": "storage", "detail": f"through storage ({why}): the actor writes weights/actor/<step> "
+                                             "every step and the rollout reads it back"}
+    if engine == "hf":
+        how = "tensor by tensor into the transformers engine"
+    elif "GPU" in engine_detail:
+        how = (f"over CUDA IPC to vLLM's workers, in buckets of {config.rollout.update_weights_bucket_megabytes} "
+               "MiB")
+    else:
+        how = f"as bytes to vLLM's workers, in buckets of {config.rollout.update_weights_bucket_megabytes} MiB"
+    stored = ("every step" if trainer.keep_weights is None else
+              f"every {trainer.checkpoint_every} steps (checkpoints) and the last" if trainer.checkpoint_every
+              else "the last step")
+    return {"mode": "memory", "detail": f"in memory from the actor's live model, {how}; a copy is stored in the "
+                                        f"background for {stored}"}
 
 
 def report_failed(report: dict) -> bool:
@@ -295,6 +372,7 @@ def format_report(report: dict) -> str:
     if "rollout" in report:
         rollout = report["rollout"]
         lines.append(f"  {MARKERS[rollout.get('status', 'ok')]}  rollout engine {rollout['engine']}: {rollout['detail']}")
+        lines.append(f"  {MARKERS['ok']}  weight sync {report['weight_sync']['mode']}: {report['weight_sync']['detail']}")
     lines += [""]
     failures = [key for key in ("prefect", "tracking", "storage", "placement") if report[key]["status"] == "fail"]
     lines.append(f"FAIL: {', '.join(failures)} (see the FAIL lines)" if failures else "ok: nothing would fail")

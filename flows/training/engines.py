@@ -74,6 +74,7 @@ def vllm_options(config: Config, visible: int) -> dict:
         enforce_eager=rollout.enforce_eager if rollout.enforce_eager is not None else not on_gpu,
         sleep=rollout_sleeps(config, on_gpu),
         custom_all_reduce=rollout.custom_all_reduce,
+        bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20,
     )
 
 

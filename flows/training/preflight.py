@@ -3,18 +3,44 @@
 `check_inputs(config)` checks model.path, the reward function, the prompt files (exist, Parquet, the
 columns verl's layout needs, not empty, prompts within data.max_prompt_length per data.overlong_prompts)
 and data.prompts_per_step against the prompts there are; a problem is one ValueError line naming the
-field, the value and what would be valid. It returns what a run reports at its start: prompt counts and,
-for reward.function=auto, which scorer each data_source gets.
+field, the value and what would be valid. It returns what a run reports at its start: prompt counts,
+for reward.function=auto which scorer each data_source gets, and its lineage: the files data.train_files and
+data.val_files resolved to (globs expanded; path, size, modification time) and, with model.from_run, the step
+of that run's latest committed actor weights it starts from (checked here: none is one line).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import asdict, dataclass, field
 
-from components.data import load_prompts
+import fsspec
+
+from components.data import expand_pattern, load_prompts
 from components.models import check_model_source, load_tokenizer
 from components.rewards import AUTO, load_reward_function, scorer_for
 from flows.config import Config
+from storage import RunLayout
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """One prompt file a run reads, as it was when the run started."""
+
+    path: str
+    """Absolute for a local file, else the fsspec URI."""
+    size: int | None
+    modified: str | None
+    """Modification time, ISO 8601 in UTC (None where the filesystem does not say)."""
+
+
+@dataclass(frozen=True)
+class StartingPoint:
+    """The policy weights of model.from_run a run starts from."""
+
+    run: str
+    step: int
+    weights: str
 
 
 @dataclass
@@ -24,6 +50,15 @@ class InputSummary:
     val_prompts: int
     scorers: dict[str, str] = field(default_factory=dict)
     """data_source -> the scorer it gets (reward.function=auto), or the one function for all."""
+    train_files: list[DataFile] = field(default_factory=list)
+    val_files: list[DataFile] = field(default_factory=list)
+    from_run: StartingPoint | None = None
+
+    def lineage(self) -> dict:
+        """What the run starts from, as run.json and MLflow record it (flows.runtime.tracking.lineage_params)."""
+        return {"data": {"train_files": [asdict(entry) for entry in self.train_files],
+                         "val_files": [asdict(entry) for entry in self.val_files]},
+                "from_run": asdict(self.from_run) if self.from_run else None}
 
     def lines(self) -> list[str]:
         dropped = f" ({self.dropped_overlong} longer than data.max_prompt_length dropped)" if self.dropped_overlong else ""
@@ -35,6 +70,7 @@ class InputSummary:
 def check_inputs(config: Config) -> InputSummary:
     """See the module docstring; raises ValueError with one line."""
     check_model_source(config.model.path)
+    start = starting_point(config)
     if config.reward.kind == "rule":
         load_reward_function(config.reward.function)
     else:
@@ -59,4 +95,36 @@ def check_inputs(config: Config) -> InputSummary:
         sources = sorted({record.data_source for record in train + val})
         scorers = {source: scorer_for(source) if config.reward.function == AUTO else config.reward.function
                    for source in sources}
-    return InputSummary(len(train), dropped, len(val), scorers)
+    return InputSummary(len(train), dropped, len(val), scorers, data_files(data.train_files, "data.train_files"),
+                        data_files(data.val_files, "data.val_files"), start)
+
+
+def data_files(paths: list[str], field: str) -> list[DataFile]:
+    """The files `paths` name, globs expanded as components.data reads them, each with its size and
+    modification time."""
+    resolved = []
+    for path in (match for pattern in paths for match in expand_pattern(str(pattern), field)):
+        fs, inner = fsspec.core.url_to_fs(path)
+        local = "://" not in path
+        info = fs.info(inner)
+        try:
+            modified = fs.modified(inner).isoformat()
+        except (NotImplementedError, OSError, AttributeError):
+            modified = None
+        resolved.append(DataFile(os.path.abspath(inner) if local else path, info.get("size"), modified))
+    return resolved
+
+
+def starting_point(config: Config) -> StartingPoint | None:
+    """The latest committed actor weights of model.from_run when RL starts from them (no warm-start, which
+    starts from model.path); ValueError when that run has none."""
+    run = config.model.from_run
+    if not run or config.warm_start.steps > 0:
+        return None
+    layout = RunLayout(config.run.storage_root, run)
+    latest = layout.latest_weights("actor")
+    if latest is None:
+        raise ValueError(f"model.from_run={run!r}: that run has no committed actor weights under "
+                         f"{config.run.storage_root}; give a run that has trained at least one step, or unset it")
+    step, weights = latest
+    return StartingPoint(run, step, layout.fs.unstrip_protocol(weights) if "://" in layout.root else weights)

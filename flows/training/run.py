@@ -8,12 +8,12 @@ role pinned to its devices, supervises them, runs the flow, and stops everything
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from pathlib import Path
 from typing import Iterator
 
 from flows.config import Config
+from flows.runtime.console import quiet_console
 from flows.runtime.launcher import (WorkerPool, prefect_server, print_worker_summary, using_prefect_api,
                                     worker_environment)
 from flows.training.plan import plan_placement, worker_preloads
@@ -47,8 +47,6 @@ def run_training(config: Config, start_workers: bool = False) -> tuple[dict, str
     start_workers: also start (and supervise) one worker per role on this machine, as `rlhf run`
     does; otherwise, with trainer.execution=workers, the stages go to workers started elsewhere.
     """
-    # One progress line per step on the terminal; task-run states stay visible in the Prefect UI.
-    logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
     workers = config.trainer.execution == "workers"
     check_inputs(config)  # bad data, model or reward: one line before the server starts (the flow reports them)
     if start_workers:
@@ -57,5 +55,7 @@ def run_training(config: Config, start_workers: bool = False) -> tuple[dict, str
         storage = worker_environment(api_url, config.run.storage_root, "")["PREFECT_LOCAL_STORAGE_PATH"]
         with using_prefect_api(api_url, local_storage_path=storage if workers else None), \
                 (worker_pool(config, api_url) if start_workers else contextlib.nullcontext()):
+            # One line per step and progress lines on the terminal; Prefect keeps every task run's log.
+            quiet_console()
             state = train(config, return_state=True)
             return state.result(raise_on_failure=True), str(state.state_details.flow_run_id)

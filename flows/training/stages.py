@@ -36,6 +36,7 @@ from components.rewards import score_responses
 from components.rollout import HFRolloutEngine, SamplingParams
 from components.sft import warm_start as fine_tune
 from flows.config import Config, layout_for
+from flows.runtime.console import progress
 from flows.runtime.transport import transport_for
 from flows.training.registry import STAGES, stage
 from flows.training.roles import get_role, initial_policy_path, trained_role
@@ -268,6 +269,8 @@ def update_actor(config: Config, step: int) -> StageResult:
     ref_logprobs = (_per_token(_read(config, step, "reference", rollout_table), "ref_logprobs", length)
                     if config.actor.use_kl_loss else None)
     actor = trained_role(config, "actor", step, "update_actor")
+    transport = transport_for(config)
+    transport.withdraw_weights()  # the weights published in memory are about to change
     actor.state_step = None  # until this update is done: a failure midway leaves no known state
     metrics: dict[str, float] = {}
     on_policy = config.on_policy_update
@@ -286,7 +289,7 @@ def update_actor(config: Config, step: int) -> StageResult:
             f"{int(metrics.get('actor/nonfinite_samples', 0))} sample(s); the step stops here and the latest "
             "checkpoint stays as it was")
     with timed(metrics, "save_weights"):  # for the rollout of step+1
-        path = transport_for(config).publish_weights(actor.model, step + 1, resolve_dtype(config.model.compute_dtype))
+        path = transport.publish_weights(actor.model, step + 1, resolve_dtype(config.model.compute_dtype))
     actor.state_step = step + 1
     return {"path": path, "metrics": metrics}
 
@@ -355,10 +358,18 @@ def warm_start(config: Config) -> StageResult:
     _, before = evaluate(config, engine, get_role(config, "val_prompts"))
     records = get_role(config, "train_prompts")
     metrics: dict[str, float] = {"warm_start/val_reward_before": before["val/reward/mean"]}
+    steps, started = config.warm_start.steps, time.perf_counter()
+    progress(f"warm-start: {steps} supervised steps of {config.warm_start.batch_size} prompts "
+             f"(validation reward before: {before['val/reward/mean']:.3f})")
+
+    def report(done: int, loss: float) -> None:
+        if done == steps or done % max(1, steps // 10) == 0:
+            progress(f"warm-start step {done}/{steps}: loss {loss:.4f} ({time.perf_counter() - started:.0f} s)")
+
     with timed(metrics, "warm_start"):
         losses = fine_tune(model, tokenizer, [r.prompt_ids for r in records], [r.target_text for r in records],
-                           steps=config.warm_start.steps, batch_size=config.warm_start.batch_size,
-                           lr=config.warm_start.lr, seed=config.trainer.seed)
+                           steps=steps, batch_size=config.warm_start.batch_size, lr=config.warm_start.lr,
+                           seed=config.trainer.seed, on_step=report)
     metrics["warm_start/loss_first"], metrics["warm_start/loss_last"] = losses[0], losses[-1]
     layout = layout_for(config)
     path = initial_policy_path(config)
@@ -420,6 +431,9 @@ def _checkpoint_role(config: Config, step: int, role: str) -> StageResult:
     path = f"{layout.checkpoint_dir(step)}/{role}"
     metrics: dict[str, float] = {}
     with timed(metrics, f"checkpoint_{role}"):
+        if role == "actor":
+            # The copy of this step's policy the resumed rollout reloads is committed before the checkpoint.
+            transport_for(config).flush()
         save_role_checkpoint(layout.fs, path, instance.model, instance.updater)
     return {"path": path, "metrics": metrics}
 

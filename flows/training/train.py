@@ -23,9 +23,11 @@ from __future__ import annotations
 import time
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run as prefect_flow_run
 
 from flows.config import Config, ConfigError, build_config, layout_for, load_config
-from flows.runtime.driver import RunState, for_this_flow_run, start_run
+from flows.runtime.console import progress
+from flows.runtime.driver import RunState, for_this_flow_run, run_name_for_this_flow_run, start_run
 from flows.runtime.residents import release_run
 from flows.runtime.system_metrics import stop_system_metrics
 from flows.training.export import export_run
@@ -108,7 +110,34 @@ def resolve_config(config: Config | None = None, config_file: str | None = None,
     return build_config(config.model_dump(mode="json"), listed) if listed else config
 
 
-@flow(name="rlhf-train", log_prints=True)
+def flow_run_name() -> str:
+    """The flow run's name in Prefect: the run's name (with run.name_timestamp, the stamped one), from the
+    flow's parameters. A config that does not resolve keeps the name Prefect gave: the flow reports it."""
+    parameters = prefect_flow_run.parameters
+    config = parameters.get("config")
+    try:
+        config = Config.model_validate(config) if isinstance(config, dict) else config
+        config = resolve_config(config, parameters.get("config_file"), parameters.get("deployment_overrides"),
+                                parameters.get("overrides"))
+    except ValueError:
+        return prefect_flow_run.name
+    return run_name_for_this_flow_run(config.run)
+
+
+def _log_final_model(state: RunState, summary: dict) -> None:
+    """The exported policy as an MLflow transformers model and, with tracking.registered_model, a new version
+    of that registered model tagged with the final validation reward and the run's name."""
+    config = state.config
+    rollout = config.rollout
+    state.tracker.log_model(summary["export_dir"], generation_params={
+        "max_new_tokens": rollout.max_new_tokens, "temperature": rollout.temperature, "do_sample": True})
+    if config.tracking.registered_model:
+        version = state.tracker.register_model(config.tracking.registered_model, tags={
+            "val_reward_end": summary["val_reward_end"], "rlhf.run_name": config.run.name})
+        summary["registered_model"] = f"models:/{config.tracking.registered_model}/{version}"
+
+
+@flow(name="rlhf-train", log_prints=True, flow_run_name=flow_run_name)
 def train(config: Config | None = None, config_file: str | None = None, deployment_overrides: list[str] | None = None,
           overrides: list[str] | None = None) -> dict:
     """Train a causal LM with PPO/GRPO; return the final validation reward and where to look. The config is
@@ -116,7 +145,7 @@ def train(config: Config | None = None, config_file: str | None = None, deployme
     logger = get_run_logger()
     config = for_this_flow_run(resolve_config(config, config_file, deployment_overrides, overrides))
     inputs = check_inputs(config)  # before the run folder or the MLflow run exists
-    state = start_run(config)
+    state = start_run(config, lineage=inputs.lineage())
     for line in inputs.lines():
         logger.info(line)
     state.tracker.log_params({f"reward.scorer.{source}": scorer for source, scorer in inputs.scorers.items()})
@@ -156,9 +185,12 @@ def train(config: Config | None = None, config_file: str | None = None, deployme
         # the last step validated already; a run resumed after its last step reads the stored result
         end = state.history[-1] if state.history else state.run(validate, trainer.total_steps)
         summary["val_reward_end"] = end["val/reward/mean"]
-        # The final policy as a Hugging Face folder (weights + tokenizer), also as MLflow artifacts.
+        # The final policy as a Hugging Face folder (weights + tokenizer), also as an MLflow model.
+        progress(f"exporting the final policy (step {trainer.total_steps}) and logging it to MLflow as a model ...")
         summary["export_dir"] = str(export_run(config.run.storage_root, config.run.name))
-        state.tracker.log_model_folder(summary["export_dir"])
+        _log_final_model(state, summary)
+        progress(f"final policy: {summary['export_dir']}" + (f", registered as {summary['registered_model']}"
+                                                              if "registered_model" in summary else ""))
         status = "FINISHED"
         return summary
     finally:

@@ -71,7 +71,11 @@ def _interpreted_case(vocab: int, temperature: float, entropy_grad: bool) -> Non
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 4, vocab, generator=generator) * 3  # several 4096-wide blocks for vocab 9000
     labels = torch.randint(0, vocab, (2, 3), generator=generator)
-    (_, _, grad), _ = _compare(logits, labels, temperature, entropy_grad, atol=1e-4, grad_atol=2e-5)
+    # The entropy's gradient uses x - E_p[x] with E_p[x] = lse - H: for a peaked row (lse ~ 20) float32
+    # rounding of that difference reaches ~3e-5 (seen: 2.9e-5 against float64 with numpy 2.3's exp in
+    # Triton 3.9's interpreter), so that case gets 5e-5; the log-prob gradient alone stays at 2e-5.
+    grad_atol = 5e-5 if entropy_grad else 2e-5
+    (_, _, grad), _ = _compare(logits, labels, temperature, entropy_grad, atol=1e-4, grad_atol=grad_atol)
     # The gradient of sum(g1 * logprob) over one row sums to 0 (onehot - softmax sums to 0).
     if not entropy_grad:
         assert float(grad.sum(-1).abs().max()) < 1e-5

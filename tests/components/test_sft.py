@@ -35,8 +35,11 @@ def test_warm_start_learns_a_single_example(model, tokenizer):
     assert tokenizer("12+34=", add_special_tokens=False)["input_ids"] == prompt
     target = list(b"46") + [tokenizer.eos_token_id]
     initial_nll = _target_nll(model, prompt, target)
-    losses = warm_start(model, tokenizer, [prompt], ["46"], steps=30, batch_size=2, lr=1e-2)
+    reported = []
+    losses = warm_start(model, tokenizer, [prompt], ["46"], steps=30, batch_size=2, lr=1e-2,
+                        on_step=lambda step, loss: reported.append((step, loss)))
     assert len(losses) == 30
+    assert reported == list(zip(range(1, 31), losses))  # after each step, 1-based, with that step's loss
     # the first loss is the target-only NLL (prompt tokens excluded, EOS included) before any step
     assert losses[0] == pytest.approx(initial_nll, abs=1e-4)
     assert losses[-1] < 0.05 * losses[0]

@@ -3,12 +3,16 @@
 Against the session's real local Prefect server, with the Prefect CLI in subprocesses (as in the
 README's "Deployments" section). The run is the `quickstart` deployment (the CLI quickstart's config file)
 made a 2-step tiny run by the run's `overrides`, executed by a process worker in a separate flow-run process, which
-must find flows/training/train.py through the deployment's pull step.
+must find flows/training/train.py through the deployment's pull step. The scheduled `nightly` run also checks
+what a nightly job leaves behind: its lineage (the files its glob matched, the run and step it started from),
+the registered MLflow model version that loads and generates, and the names and links between Prefect and MLflow.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +22,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from storage import RunLayout, validate_stage_file
+from storage import COMMITTED_MARKER, RunLayout, validate_stage_file
 
 pytestmark = pytest.mark.e2e
 
@@ -148,6 +152,7 @@ def test_deploy_from_prefect_yaml_and_run_on_a_process_worker(prefect_api, tmp_p
     assert finished.state is not None and finished.state.type == StateType.COMPLETED, \
         f"flow run {flow_run.id} ended {finished.state}; worker output:\n{output[-6000:]}"
     assert finished.deployment_id == quickstart.id
+    assert finished.name == run_name  # the flow run is named after the run
     assert f"run.name={run_name}" in finished.parameters["overrides"]
     assert finished.parameters["config_file"] == "configs/quickstart.yaml"
 
@@ -169,7 +174,6 @@ def test_the_nightly_schedule_fires_and_a_scheduled_run_completes_on_a_worker(pr
     its `overrides`, runs to completion on a process worker and names its run folder after its slot."""
     if os.environ.get("PREFECT_API_URL"):
         pytest.skip("PREFECT_API_URL points at an existing server: this test activates rlhf-train/nightly")
-    import datetime
     import time
 
     from prefect.client.orchestration import get_client
@@ -199,9 +203,15 @@ def test_the_nightly_schedule_fires_and_a_scheduled_run_completes_on_a_worker(pr
         run = min(runs, key=lambda run: run.expected_start_time)
         assert (run.expected_start_time.hour, run.expected_start_time.minute) == (2, 0)  # cron 0 2 * * * UTC
 
-        # Run it now, made short: the scheduled run keeps the deployment's parameters and gets a run's overrides.
-        overrides = _as_overrides(_tiny_config(tmp_path, tiny_inputs, "nightly")) + ["model.from_run=",
-                                                                                     "run.overwrite=false"]
+        # Run it now, made short: the scheduled run keeps the deployment's parameters and gets a run's overrides:
+        # from yesterday's run `base` (committed weights at step 3, a copy of the tiny model), on the files a glob
+        # matches, registering the final policy as a version of rlhf-nightly (prefect.yaml).
+        base = RunLayout(str(tmp_path / "runs"), "base")
+        shutil.copytree(tiny_inputs["model"], base.weights_dir("actor", 3))
+        Path(base.weights_dir("actor", 3), COMMITTED_MARKER).touch()
+        train_glob = str(Path(tiny_inputs["train"]).parent / "tr*.parquet")
+        overrides = _as_overrides(_tiny_config(tmp_path, tiny_inputs, "nightly")) + [
+            "model.from_run=base", "run.overwrite=false", f"data.train_files=[{train_glob}]"]
         client.update_flow_run(run.id, parameters={**run.parameters, "overrides": overrides})
         now = datetime.datetime.now(datetime.timezone.utc)
         client.set_flow_run_state(run.id, Scheduled(scheduled_time=now), force=True)
@@ -220,6 +230,62 @@ def test_the_nightly_schedule_fires_and_a_scheduled_run_completes_on_a_worker(pr
         f"flow run {run.id} ended {finished.state}; worker output:\n{output[-6000:]}"
     # run.name_timestamp: nightly-<the slot it was scheduled for>, a new folder per scheduled run (a retry of
     # the same flow run finds the same folder)
-    folders = [path.name for path in (tmp_path / "runs").iterdir()]
-    assert folders == [f"nightly-{run.expected_start_time:%Y%m%d-%H%M%S}"], folders
-    assert RunLayout(str(tmp_path / "runs"), folders[0]).latest_weights("actor")[0] == 2
+    folders = sorted(path.name for path in (tmp_path / "runs").iterdir())
+    run_name = f"nightly-{run.expected_start_time:%Y%m%d-%H%M%S}"
+    assert folders == ["base", run_name], folders
+    layout = RunLayout(str(tmp_path / "runs"), run_name)
+    assert layout.latest_weights("actor")[0] == 2
+    _check_names_lineage_and_registered_model(tmp_path, tiny_inputs, finished, layout)
+
+
+def _check_names_lineage_and_registered_model(tmp_path, tiny_inputs, finished, layout):
+    """The nightly run's flow run is named after its run (the stamped name), its task runs `<stage>-<step>`; its
+    MLflow run points back to the flow run; run.json and MLflow hold its lineage; its final policy is version 1
+    of rlhf-nightly, tagged with the final validation reward, and loads and generates."""
+    import json
+
+    import mlflow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    assert finished.name == layout.run_name
+    with get_client(sync_client=True) as client:
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[finished.id])))
+    names = {task_run.name for task_run in task_runs}
+    assert {"rollout-0", "rollout-1", "reward-1", "update_actor-0", "update_actor-1", "validate-0",
+            "validate-2"} <= names, sorted(names)
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("deployment-e2e").experiment_id],
+                                       filter_string=f"tags.`rlhf.run_name` = '{layout.run_name}'")
+    tags, params = mlflow_run.data.tags, mlflow_run.data.params
+    assert tags["prefect.flow_run_id"] == str(finished.id)
+    assert tags["prefect.flow_run_name"] == layout.run_name
+    assert tags["prefect.flow_run_url"].endswith(f"/runs/flow-run/{finished.id}")
+
+    with open(f"{layout.run_dir}/run.json") as handle:
+        lineage = json.load(handle)["lineage"]
+    train = Path(tiny_inputs["train"])
+    assert lineage["from_run"] == {"run": "base", "step": 3, "weights": str(tmp_path / "runs/base/weights/actor/3")}
+    (matched,) = lineage["data"]["train_files"]  # the glob tr*.parquet: train.parquet, not validation.parquet
+    assert (matched["path"], matched["size"]) == (str(train), train.stat().st_size)
+    assert matched["modified"].startswith(f"{datetime.datetime.fromtimestamp(train.stat().st_mtime, datetime.timezone.utc):%Y-%m-%dT%H:%M:%S}")
+    assert [entry["path"] for entry in lineage["data"]["val_files"]] == [tiny_inputs["validation"]]
+    assert (params["lineage.from_run"], params["lineage.from_run.step"]) == ("base", "3")
+    assert params["lineage.data.train_files"].startswith(f"{train} ({train.stat().st_size} bytes, ")
+
+    (version,) = client.search_model_versions("name = 'rlhf-nightly'")
+    assert (str(version.version), version.run_id) == ("1", mlflow_run.info.run_id)
+    final_reward = client.get_metric_history(mlflow_run.info.run_id, "val/reward/mean")[-1].value
+    assert float(version.tags["val_reward_end"]) == pytest.approx(final_reward)
+    assert version.tags["rlhf.run_name"] == layout.run_name
+    assert tags["rlhf.registered_model"] == "rlhf-nightly/1"
+    mlflow.set_tracking_uri(uri)
+    generator = mlflow.transformers.load_model("models:/rlhf-nightly/1")
+    prompt = "12+34="
+    ids = generator.tokenizer(prompt, return_tensors="pt")["input_ids"]
+    output = generator.model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert output.shape[1] == ids.shape[1] + 4
+    (generated,) = generator(prompt, max_new_tokens=4, do_sample=False)
+    assert generated["generated_text"].startswith(prompt)

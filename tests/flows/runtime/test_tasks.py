@@ -1,8 +1,11 @@
-"""flows.runtime.tasks: fault injection (RLHF_INJECT_FAILURE) and a stage task run in the flow's own process."""
+"""flows.runtime.tasks: fault injection (RLHF_INJECT_FAILURE), a stage task run in the flow's own process, and
+the names of its task runs."""
 
 from __future__ import annotations
 
 import pytest
+from prefect._internal.engine import resolve_custom_task_run_name
+from prefect.utilities.callables import get_call_parameters
 
 from flows.runtime import worker
 from flows.runtime.tasks import inject_failure, stage_task
@@ -44,3 +47,23 @@ def test_a_stage_task_in_the_flows_process_injects_by_the_step_argument_then_run
     with pytest.raises(RuntimeError, match="stage reward at step 2"):
         run("config", step=2)
     assert calls == [("config", 1)]  # the injected failure comes before the stage runs
+
+
+def test_task_runs_are_named_stage_dash_step_from_the_call_as_prefect_binds_it():
+    """The engine names a task run from the call's parameters bound to the stage function's signature (the
+    task wraps it): what these two Prefect functions do when a task run starts."""
+    def rollout(config, step, weights_step=None):
+        return {}
+
+    def warm_start(config):
+        return {}
+
+    def name(task, *args, **kwargs):
+        return resolve_custom_task_run_name(task, get_call_parameters(task.fn, args, kwargs))
+
+    task = stage_task(rollout, "rollout")
+    assert name(task, "config", 3) == "rollout-3"
+    assert name(task, "config", 0, 2) == "rollout-0"  # the step, not the weights' step
+    assert name(task, "config", step=12) == "rollout-12"
+    assert name(task.with_options(retries=2), "config", 1) == "rollout-1"  # as the driver submits it
+    assert name(stage_task(warm_start, "warm_start"), "config") == "warm_start"  # no step

@@ -1,6 +1,7 @@
-"""flows.runtime.transport.StorageTransport on a run folder in tmp_path: batches round-trip as stage files,
-the rollout engine gets the newest committed weights at or before a version, and published weights load
-again and are pruned."""
+"""flows.runtime.transport on a run folder in tmp_path: batches round-trip as stage files; under storage
+sync the rollout engine gets the newest committed weights at or before a version, and published weights
+load again and are pruned; under memory sync it gets the live model and only checkpoint and final
+versions are stored, byte for byte as the storage path stores them."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import json
 import pytest
 import torch
 
-from flows.config import build_config
-from flows.runtime.transport import StorageTransport, transport_for
+from components.weights import InMemoryWeights
+from flows.config import ConfigError, build_config
+from flows.runtime.transport import MemoryTransport, StorageTransport, transport_for, weight_sync_mode
 from storage import RunLayout, StorageFileError
 
 
@@ -36,11 +38,20 @@ def test_a_batch_written_reads_back_checked_against_the_rollouts_samples(tmp_pat
         transport.read_batch(3, "reward")
 
 
-def test_the_runs_transport_is_storage_under_its_folder_with_its_weight_budget(tmp_path):
-    config = build_config({"run": {"name": "r", "storage_root": str(tmp_path)}, "trainer": {"keep_weights": 4}})
-    transport = transport_for(config)
-    assert isinstance(transport, StorageTransport) and transport.keep_weights == 4
+def test_the_runs_transport_is_under_its_folder_with_its_weight_budget_and_sync_mode(tmp_path):
+    def config(**trainer):
+        return build_config({"run": {"name": "r", "storage_root": str(tmp_path)},
+                             "trainer": {"keep_weights": 4, **trainer}})
+
+    transport = transport_for(config(execution="workers"))
+    assert type(transport) is StorageTransport and transport.keep_weights == 4
     assert transport.layout.run_dir == str(tmp_path / "r")
+    local = transport_for(config())  # auto: the rollout engine is in the actor's process
+    assert type(local) is MemoryTransport and weight_sync_mode(config()) == "memory"
+    assert local.keep_weights == 4 and [local.stored(v) for v in (1, 2)] == [True, True]  # checkpoint_every=1
+    assert type(transport_for(config(weight_sync="storage"))) is StorageTransport
+    with pytest.raises(ConfigError, match="trainer.weight_sync=memory needs trainer.execution=local"):
+        config(weight_sync="memory", execution="workers")
 
 
 class _Engine:
@@ -119,3 +130,79 @@ def test_published_weights_are_cast_to_the_compute_dtype_and_say_so(tmp_path, la
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, original[name].to(torch.bfloat16)), name
     assert next(tiny_model.parameters()).dtype == torch.float32  # the masters stay as they were
+
+
+class _Receiver(_Engine):
+    """An engine that also takes in-memory weights (records the version object it was given)."""
+
+    def load_weights(self, source):
+        self.loaded.append(source if isinstance(source, str) else ("memory", source.version))
+
+
+def test_memory_sync_streams_the_live_model_and_stores_only_checkpoint_and_final_versions(tmp_path, tiny_model):
+    config = build_config({"run": {"name": "r", "storage_root": str(tmp_path)},
+                           "trainer": {"total_steps": 5, "checkpoint_every": 2, "keep_weights": 2}})
+    transport, engine = transport_for(config), _Receiver()
+    actor = tmp_path / "r" / "weights" / "actor"
+    for version in range(1, 6):
+        transport.withdraw_weights()  # update_actor, before the update
+        path = transport.publish_weights(tiny_model, version, torch.bfloat16)
+        stored = version in (2, 4, 5)
+        assert path == (str(actor / str(version)) if stored else f"memory://{actor / str(version)}")
+        assert transport.sync_weights(engine, version).keys() == {"timing_s/weight_sync"}
+        assert engine.loaded[-1] == ("memory", version) and engine.weights_version == version
+        assert transport.sync_weights(engine, version) == {}  # held already
+    transport.flush()
+    # 2 and 4: a checkpoint starts there; 5: the last (export); none of 1 and 3. keep_weights=2 prunes 2
+    # only when no checkpoint refers to it any more (none was written here).
+    assert RunLayout(str(tmp_path), "r").step_folders(str(actor)) == [4, 5]
+    assert (actor / "5" / "_COMMITTED").exists()
+    # What the storage path would have written for the same model: the same bytes.
+    reference = StorageTransport(RunLayout(str(tmp_path), "reference")).publish_weights(tiny_model, 5, torch.bfloat16)
+    for name in ("model.safetensors", "config.json"):
+        assert (actor / "5" / name).read_bytes() == (tmp_path / "reference" / "weights" / "actor" / "5" / name).read_bytes()
+    assert reference
+
+
+def test_memory_sync_reads_only_exactly_the_stored_version_once_the_model_moved_on(tmp_path, tiny_model):
+    config = build_config({"run": {"name": "r", "storage_root": str(tmp_path)},
+                           "trainer": {"total_steps": 9, "checkpoint_every": 3}})
+    transport = transport_for(config)
+    for version in (1, 2, 3):
+        transport.publish_weights(tiny_model, version, torch.float32)
+    transport.withdraw_weights()  # the update of step 3 begins
+    engine = _Receiver()
+    # A resumed run at checkpoint 3 (nothing in this process's memory): the stored copy of version 3.
+    transport.sync_weights(engine, 3)
+    assert engine.loaded == [str(tmp_path / "r" / "weights" / "actor" / "3")] and engine.weights_version == 3
+    # Version 2 was never stored: an older copy would be the wrong policy, so it says so.
+    with pytest.raises(RuntimeError, match="policy version 2 is neither in this process's memory nor stored"):
+        transport.sync_weights(_Receiver(), 2)
+    assert transport.sync_weights(_Receiver(), 0) == {}  # the initial policy: the engine has it
+
+
+def test_in_memory_weights_stop_being_readable_once_withdrawn(tiny_model):
+    published = InMemoryWeights(tiny_model, torch.bfloat16, version=3)
+    assert len(list(published.tensors())) == len(tiny_model.state_dict()) - 1  # the tied head once
+    published.withdraw()
+    with pytest.raises(RuntimeError, match="policy version 3 is no longer in memory"):
+        published.tensors()
+
+
+def test_memory_sync_reads_the_stored_copy_once_the_published_model_is_gone(tmp_path, tiny_model):
+    """A run that failed released its actor (release_run); resumed in the same process, the rollout must get
+    the version from storage, not from the dead model it was published from."""
+    import copy
+    import gc
+
+    config = build_config({"run": {"name": "r", "storage_root": str(tmp_path)},
+                           "trainer": {"total_steps": 4, "checkpoint_every": 1}})
+    transport = transport_for(config)
+    model = copy.deepcopy(tiny_model)
+    transport.publish_weights(model, 1, torch.float32)
+    transport.flush()
+    del model
+    gc.collect()
+    engine = _Receiver()
+    assert transport.sync_weights(engine, 1).keys() == {"timing_s/weight_sync"}
+    assert engine.loaded == [str(tmp_path / "r" / "weights" / "actor" / "1")] and engine.weights_version == 1

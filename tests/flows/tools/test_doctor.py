@@ -258,6 +258,23 @@ def test_wrong_four_gpu_placements_fail_before_anything_loads(machine, shaped_mo
             "placement.colocate") in errors
 
 
+def test_doctor_says_how_weights_reach_the_rollout(machine, tiny_model, shaped_models):
+    local = doctor.collect_report(build_config(None, overrides(machine, tiny_model) + ["rollout.engine=hf"]))
+    assert local["weight_sync"] == {
+        "mode": "memory", "detail": "in memory from the actor's live model, tensor by tensor into the transformers "
+                                    "engine; a copy is stored in the background for every 1 steps (checkpoints) "
+                                    "and the last"}
+    assert "weight sync memory: in memory from the actor's live model" in doctor.format_report(local)
+    stored = doctor.collect_report(build_config(None, overrides(machine, tiny_model) + [
+        "rollout.engine=hf", "trainer.weight_sync=storage"]))["weight_sync"]
+    assert stored["mode"] == "storage" and stored["detail"].startswith("through storage (trainer.weight_sync=storage)")
+    workers = doctor.collect_report(gpu_4x(machine, shaped_models))["weight_sync"]
+    assert workers["mode"] == "storage" and "the rollout runs in a worker of its own" in workers["detail"]
+    gpu = doctor.weight_sync_report(build_config(None, ["rollout.update_weights_bucket_megabytes=256"]), "vllm",
+                                    "vllm 0.32.0 on GPU [0], tensor parallel 1, sleeps between generations")
+    assert "over CUDA IPC to vLLM's workers, in buckets of 256 MiB" in gpu["detail"]
+
+
 def test_doctor_names_the_rollout_engine(machine, tiny_model, shaped_models, monkeypatch):
     from components.vllm_rollout import vllm_supports
 
@@ -281,3 +298,39 @@ def test_doctor_names_the_rollout_engine(machine, tiny_model, shaped_models, mon
     two = doctor.collect_report(gpu_4x(machine, shaped_models, "placement.roles.rollout=[0,1]",
                                        "rollout.engines=2"))["rollout"]
     assert two["detail"] == "vllm 0.26.0 on GPU [0, 1], 2 engines, each tensor parallel 1, sleeps between generations"
+
+
+def test_prefect_authentication_is_checked_against_a_real_server(machine, monkeypatch):
+    """A real Prefect server started with PREFECT_SERVER_API_AUTH_STRING: doctor fails without the client's
+    PREFECT_API_AUTH_STRING or with a wrong one, and is ok with the right one. Then a server without
+    authentication: ok on loopback, a warning where other hosts could reach it (is_loopback patched: tests
+    send traffic to loopback addresses only)."""
+    from flows.runtime.launcher import prefect_server
+
+    monkeypatch.setenv("PREFECT_SERVER_API_AUTH_STRING", "rlhf:s3cret")
+    with prefect_server(machine / "prefect-auth") as url:
+        without = doctor.check_prefect({"PREFECT_API_URL": url})
+        assert without["status"] == "fail"
+        assert without["detail"].endswith("the API asks for authentication (HTTP 401) and PREFECT_API_AUTH_STRING is "
+                                          "not set: set it to the server's PREFECT_SERVER_API_AUTH_STRING")
+        wrong = doctor.check_prefect({"PREFECT_API_URL": url, "PREFECT_API_AUTH_STRING": "rlhf:guess"})
+        assert wrong["status"] == "fail" and "PREFECT_API_AUTH_STRING is refused (HTTP 401)" in wrong["detail"]
+        right = doctor.check_prefect({"PREFECT_API_URL": url, "PREFECT_API_AUTH_STRING": "rlhf:s3cret"})
+        assert right["status"] == "ok" and right["detail"].endswith("authenticated (PREFECT_API_AUTH_STRING accepted)")
+    monkeypatch.delenv("PREFECT_SERVER_API_AUTH_STRING")
+    with prefect_server(machine / "prefect-open") as url:
+        loopback = doctor.check_prefect({"PREFECT_API_URL": url})
+        assert loopback["status"] == "ok" and loopback["detail"].endswith("no authentication (loopback only)")
+        monkeypatch.setattr(doctor, "is_loopback", lambda url: False)
+        exposed = doctor.check_prefect({"PREFECT_API_URL": url})
+        assert exposed["status"] == "warn" and "answers without authentication on a non-loopback address" in \
+            exposed["detail"]
+        report = doctor.collect_report(None, env={"PREFECT_API_URL": url})
+        assert not report["failed"] and "warn  Prefect API" in doctor.format_report(report)
+
+
+def test_loopback_addresses():
+    assert doctor.is_loopback("http://127.0.0.1:4200/api") and doctor.is_loopback("http://localhost:4200/api")
+    assert doctor.is_loopback("http://127.8.9.10/api") and doctor.is_loopback("http://[::1]:4200/api")
+    assert not doctor.is_loopback("http://0.0.0.0:4200/api") and not doctor.is_loopback("http://10.1.2.3:4200/api")
+    assert not doctor.is_loopback("http://head-node:4200/api")

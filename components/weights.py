@@ -1,0 +1,155 @@
+"""A policy's weights handed over in memory: named compute-dtype tensors, streamed one at a time and
+packed into flat buckets of bounded size, so that no second full copy of the model is ever held.
+
+`compute_tensors(model, dtype)` yields (checkpoint name, tensor cast to `dtype`) for every weight of a
+live model (a sharded parameter is gathered alone, then dropped); `pack_buckets` packs that stream into
+one reusable flat byte buffer of `bucket_bytes`; `unpack_bucket` is the receiving side's inverse (views
+into the received buffer, no copy). `InMemoryWeights` is a published policy version backed by the live
+model, valid until the model starts changing again.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8,
+    torch.bool)}
+
+
+class StaleWeightsError(RuntimeError):
+    """The in-memory policy was asked for after its model started changing again."""
+
+
+def compute_tensors(model: torch.nn.Module, dtype: torch.dtype, *, tied_once: bool = True
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every parameter and persistent buffer of `model`, in state-dict order and under
+    its state-dict names, floating ones cast to `dtype`. A tensor tied to an earlier one (tied embeddings:
+    the LM head) is given once, under the first name (the engines tie it back); with `tied_once=False` it
+    is given again when the cast made it a tensor of its own, as save_pretrained of a cast state dict
+    keeps it (a stored copy is then byte for byte the storage path's). A sharded parameter (DTensor) is
+    gathered alone (a collective: every rank iterates). Nothing is copied that needs no cast."""
+    seen: set[tuple[int, tuple]] = set()
+    for name, tensor in model.state_dict().items():
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        key = (local.untyped_storage().data_ptr() + local.storage_offset() * local.element_size(),
+               tuple(tensor.shape))
+        if key in seen and local.numel() and (tied_once or not tensor.is_floating_point() or tensor.dtype == dtype):
+            continue
+        seen.add(key)
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        tensor = tensor.detach()
+        yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+@dataclass
+class Bucket:
+    """Several tensors packed into one flat byte buffer: `specs` holds (name, dtype, shape, byte offset)."""
+
+    buffer: torch.Tensor
+    specs: list[tuple[str, str, list[int], int]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _aligned(size: int, alignment: int = 256) -> int:
+    return (size + alignment - 1) // alignment * alignment
+
+
+def pack_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Pack `tensors` into buckets of at most `bucket_bytes` (a tensor larger than that gets a bucket of its
+    own). One buffer is reused: a bucket is valid until the consumer asks for the next one, so a consumer
+    must be done with a bucket (on the GPU too) before it iterates on."""
+    buffer: torch.Tensor | None = None
+    bucket: Bucket | None = None
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if bucket is not None and (bucket.nbytes + size > bucket.buffer.numel() or bucket.buffer.device != tensor.device):
+            yield bucket
+            bucket = None
+        if bucket is None:
+            if buffer is None or buffer.device != tensor.device or buffer.numel() < size:
+                buffer = torch.empty(max(bucket_bytes, size), dtype=torch.uint8, device=tensor.device)
+            bucket = Bucket(buffer)
+        view = bucket.buffer[bucket.nbytes:bucket.nbytes + size]
+        view.view(tensor.dtype).view(tensor.shape).copy_(tensor.contiguous().view(tensor.shape))
+        bucket.specs.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), bucket.nbytes))
+        bucket.nbytes = _aligned(bucket.nbytes + size)
+    if bucket is not None and bucket.specs:
+        yield bucket
+
+
+def unpack_bucket(specs: Iterable, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a packed bucket as views into `buffer` (flat uint8), as `pack_buckets` laid them out."""
+    unpacked = []
+    for name, dtype_name, shape, offset in specs:
+        dtype = _DTYPES.get(dtype_name)
+        if dtype is None:
+            raise ValueError(f"weights bucket: tensor {name!r} has dtype {dtype_name!r}, not one of {sorted(_DTYPES)}")
+        count = 1
+        for dim in shape:
+            count *= int(dim)
+        size = count * torch.empty((), dtype=dtype).element_size()
+        unpacked.append((name, buffer[offset:offset + size].view(dtype).view(list(shape))))
+    return unpacked
+
+
+class InMemoryWeights:
+    """Policy `version`, backed by the live `model`: streamed in `dtype` by `tensors()` while `current`."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, version: int):
+        # A weak reference: a role dropped at the end of its run is not kept alive by what it published.
+        self._model = weakref.ref(model)
+        self.dtype, self.version = dtype, version
+        self.current = True
+
+    def withdraw(self) -> None:
+        """The model is about to change: this version can no longer be streamed from it."""
+        self.current = False
+
+    @property
+    def available(self) -> bool:
+        """Whether `tensors()` can still stream this version: not withdrawn, and its model still alive."""
+        return self.current and self._model() is not None
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        model = self._model()
+        if not self.current or model is None:
+            raise StaleWeightsError(
+                f"policy version {self.version} is no longer in memory (the actor has been updated or released "
+                "since); it can only be read back from a stored copy (weights/actor/<step>)")
+        return compute_tensors(model, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"InMemoryWeights(version={self.version}, dtype={self.dtype}, current={self.current})"
+
+
+def copy_files(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, str]:
+    """The small files of a stored compute-dtype copy of `model`, as text: config.json (saying `dtype`, so
+    that transformers' and vLLM's dtype=auto load the copy as what it is) and generation_config.json."""
+    config = json.loads(model.config.to_json_string(use_diff=True))
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    if not config.get("architectures"):
+        config["architectures"] = [type(model).__name__]
+    files = {"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"}
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        files["generation_config.json"] = generation.to_json_string(use_diff=True)
+    return files
+
+
+def write_copy(folder: str, files: dict[str, str], state: dict[str, torch.Tensor]) -> None:
+    """Write a stored copy (`copy_files` and the tensors of `compute_tensors`, on the host) into `folder`:
+    a Hugging Face model folder that transformers, vLLM and `rlhf export` read."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+    for name, text in files.items():
+        (Path(folder) / name).write_text(text)

@@ -1,0 +1,83 @@
+"""What the terminal shows of a run: what a person watches, while Prefect and MLflow keep every log.
+
+Prefect's console handler prints every task run's lifecycle (`Created task run`, `Finished in state
+Completed()`), several lines per stage; transformers draws a progress bar each time it writes or loads a
+model. `quiet_console()` keeps those off the terminal only: the records still reach Prefect's API handler
+(the UI shows them) because the filter sits on the console handlers, not on the loggers. What stays: the
+flow's own lines (one per step, the run's start and end), every warning and error, and the progress lines
+of long work (`progress(...)`: model loads, the warm-start, the engine start, validation, checkpoints,
+the export).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from prefect import get_run_logger
+from prefect.exceptions import MissingContextError
+
+PROGRESS_LOGGER = "rlhf.progress"
+
+_ENGINE_LINES = re.compile(
+    r"^(Created task run|Submitting task run|Submitted task run|Executing '|Finished in state|Beginning flow run|"
+    r"View at |Running hook|Hook .* finished running|Opening process|Completed submission of flow run|"
+    r"Downloading flow code|Running \d+ deployment pull step|Executing deployment step)")
+
+
+class ConsoleFilter(logging.Filter):
+    """Drops Prefect's per-task lifecycle lines (INFO and below) from a console handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "rlhf_progress", False):  # progress() printed it already
+            return False
+        if record.levelno >= logging.WARNING:
+            return True
+        if record.name.startswith("prefect.task_runs"):
+            return False
+        if record.name.startswith(("prefect.flow_runs", "prefect.workers", "prefect.flow_run")):
+            return not _ENGINE_LINES.match(record.getMessage())
+        return True
+
+
+def _console_handlers() -> list[logging.Handler]:
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    handlers = []
+    for logger in [logging.getLogger()] + [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)]:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, PrefectConsoleHandler) and handler not in handlers:
+                handlers.append(handler)
+    return handlers
+
+
+def quiet_console() -> None:
+    """Filter Prefect's console handlers (once) and turn transformers' progress bars off in this process;
+    progress lines (`progress`) go to the terminal."""
+    for handler in _console_handlers():
+        if not any(isinstance(existing, ConsoleFilter) for existing in handler.filters):
+            handler.addFilter(ConsoleFilter())
+    try:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+    except ImportError:  # transformers is a dependency; nothing to quiet without it
+        pass
+    logger = logging.getLogger(PROGRESS_LOGGER)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s | %(message)s", datefmt="%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def progress(message: str) -> None:
+    """One line about long work under way ("warm-start step 40/100, loss 1.23"): on the terminal of a
+    process that called quiet_console (the CLI's run, a worker's log), and in Prefect's logs of the stage
+    running it."""
+    logging.getLogger(PROGRESS_LOGGER).info(message)
+    try:
+        get_run_logger().info(message, extra={"rlhf_progress": True})
+    except MissingContextError:  # outside a flow or task run: the terminal line is all
+        pass

@@ -1,0 +1,114 @@
+"""components.weights: the in-memory weight stream packs into bounded buckets and unpacks to the same
+tensors, gives tied tensors once, and a stored copy is byte for byte what the storage path writes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from components.rollout import HFRolloutEngine
+from components.weights import (InMemoryWeights, StaleWeightsError, compute_tensors, copy_files, pack_buckets,
+                                unpack_bucket, write_copy)
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("steps", torch.tensor([3, 4], dtype=torch.int64))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+
+def test_tied_tensors_are_given_once_cast_and_buffers_kept():
+    model = _Tied()
+    streamed = dict(compute_tensors(model, torch.bfloat16))
+    assert list(streamed) == ["steps", "embed.weight", "norm.weight", "norm.bias"]  # head.weight: tied
+    assert streamed["embed.weight"].dtype == torch.bfloat16
+    assert torch.equal(streamed["embed.weight"], model.embed.weight.detach().to(torch.bfloat16))
+    assert streamed["steps"].dtype == torch.int64 and streamed["steps"].tolist() == [3, 4]
+    # A stored copy keeps the head when the cast made it a tensor of its own (as save_pretrained does),
+    # not when it would share the embedding's storage.
+    assert "head.weight" in dict(compute_tensors(model, torch.bfloat16, tied_once=False))
+    assert "head.weight" not in dict(compute_tensors(model, torch.float32, tied_once=False))
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 64, 100, 10_000])
+def test_buckets_unpack_to_the_same_tensors_at_any_bucket_size(bucket_bytes):
+    generator = torch.Generator().manual_seed(0)
+    tensors = [("a", torch.randn(3, 5, generator=generator).to(torch.bfloat16)),
+               ("b", torch.randn(7, generator=generator)),
+               ("c", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
+               ("d", torch.randn(4, 4, generator=generator).t())]  # not contiguous
+    received = []
+    for bucket in pack_buckets(iter(tensors), bucket_bytes):
+        assert bucket.nbytes <= max(bucket_bytes, *(t.numel() * t.element_size() for _, t in tensors)) + 255
+        # what crosses to the engine: plain data, then views into the receiver's own buffer
+        data = bucket.buffer[:bucket.nbytes].numpy().tobytes()
+        received += [(name, tensor.clone()) for name, tensor in
+                     unpack_bucket(bucket.specs, torch.frombuffer(bytearray(data), dtype=torch.uint8))]
+    assert [name for name, _ in received] == ["a", "b", "c", "d"]
+    for (name, sent), (_, got) in zip(tensors, received):
+        assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent), name
+    if bucket_bytes == 10_000:  # everything fits: one bucket
+        assert len(list(pack_buckets(iter(tensors), bucket_bytes))) == 1
+
+
+def test_an_unknown_dtype_in_a_bucket_is_refused_by_name():
+    with pytest.raises(ValueError, match="tensor 'x' has dtype 'complex64'"):
+        unpack_bucket([("x", "complex64", [1], 0)], torch.zeros(8, dtype=torch.uint8))
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from components.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("model") / "tiny"))
+
+
+def test_a_stored_copy_is_byte_for_byte_the_storage_paths(tiny_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from components.precision import save_compute_copy
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(0.01)
+    for dtype in (torch.bfloat16, torch.float32):
+        reference, ours = tmp_path / f"save_pretrained-{dtype}", tmp_path / f"ours-{dtype}"
+        reference.mkdir(), ours.mkdir()
+        save_compute_copy(model, str(reference), model.state_dict(), dtype)
+        write_copy(str(ours), copy_files(model, dtype),
+                   {name: tensor.cpu().clone() for name, tensor in compute_tensors(model, dtype, tied_once=False)})
+        assert sorted(os.listdir(ours)) == sorted(os.listdir(reference))
+        for name in os.listdir(reference):
+            assert (ours / name).read_bytes() == (reference / name).read_bytes(), (dtype, name)
+
+
+def test_the_hf_engine_takes_a_live_models_weights_and_refuses_withdrawn_ones(tiny_path):
+    from transformers import AutoModelForCausalLM
+
+    engine = HFRolloutEngine.from_pretrained(tiny_path, dtype="float32", device="cpu")
+    live = AutoModelForCausalLM.from_pretrained(tiny_path)
+    with torch.no_grad():
+        for parameter in live.parameters():
+            parameter.mul_(1.5)
+    published = InMemoryWeights(live, torch.float32, version=4)
+    engine.load_weights(published)
+    for name, tensor in live.state_dict().items():
+        assert torch.equal(engine.model.state_dict()[name], tensor), name
+    assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()
+    published.withdraw()
+    with pytest.raises(StaleWeightsError, match="policy version 4 is no longer in memory"):
+        engine.load_weights(published)
+    del live
+    released = InMemoryWeights(AutoModelForCausalLM.from_pretrained(tiny_path), torch.float32, version=5)
+    import gc
+
+    gc.collect()  # the role was dropped: what it published does not keep it alive
+    with pytest.raises(StaleWeightsError, match="version 5"):
+        released.tensors()
