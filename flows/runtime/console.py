@@ -5,8 +5,7 @@ Completed()`), several lines per stage; transformers draws a progress bar each t
 model. `quiet_console()` keeps those off the terminal only: the records still reach Prefect's API handler
 (the UI shows them) because the filter sits on the console handlers, not on the loggers. What stays: the
 flow's own lines (one per step, the run's start and end), every warning and error, and the progress lines
-of long work (`progress(...)`: model loads, the warm-start, the engine start, validation, checkpoints,
-the export).
+of long work (`progress(...)`: model loads and the engine start, the warm-start, the export).
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ import re
 
 from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
+from prefect.logging.handlers import PrefectConsoleHandler
+from transformers.utils import logging as transformers_logging
 
 PROGRESS_LOGGER = "rlhf.progress"
 
@@ -35,14 +36,12 @@ class ConsoleFilter(logging.Filter):
             return True
         if record.name.startswith("prefect.task_runs"):
             return False
-        if record.name.startswith(("prefect.flow_runs", "prefect.workers", "prefect.flow_run")):
+        if record.name.startswith(("prefect.flow_run", "prefect.workers")):
             return not _ENGINE_LINES.match(record.getMessage())
         return True
 
 
 def _console_handlers() -> list[logging.Handler]:
-    from prefect.logging.handlers import PrefectConsoleHandler
-
     handlers = []
     for logger in [logging.getLogger()] + [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)]:
         for handler in getattr(logger, "handlers", []):
@@ -57,12 +56,7 @@ def quiet_console() -> None:
     for handler in _console_handlers():
         if not any(isinstance(existing, ConsoleFilter) for existing in handler.filters):
             handler.addFilter(ConsoleFilter())
-    try:
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()
-    except ImportError:  # transformers is a dependency; nothing to quiet without it
-        pass
+    transformers_logging.disable_progress_bar()
     logger = logging.getLogger(PROGRESS_LOGGER)
     if not logger.handlers:
         handler = logging.StreamHandler()

@@ -95,8 +95,8 @@ class StorageTransport:
 
 _PUBLISHED: dict[str, InMemoryWeights] = {}
 """Run folder -> the newest policy the actor of this process published in memory."""
-_COPIES: dict[str, Future] = {}
-"""Run folder -> the stored copy of a published policy being written in the background."""
+_COPIES: dict[str, tuple[Future, Future]] = {}
+"""Run folder -> (host snapshot, write) of the stored copy of a published policy, done in the background."""
 _COPIES_LOCK = threading.Lock()
 _WRITER = ThreadPoolExecutor(1, thread_name_prefix="rlhf-weights")
 
@@ -115,12 +115,14 @@ class MemoryTransport(StorageTransport):
         if not self.stored(version):
             return f"memory://{self.layout.weights_dir('actor', version)}"
         self.flush()  # one copy in flight at most
-        # A snapshot in the compute dtype on the host (the model trains on meanwhile); the writing and the
-        # atomic commit happen off the step's critical path.
-        state = {name: tensor.to("cpu", copy=True)
-                 for name, tensor in compute_tensors(model, compute_dtype, tied_once=False)}
+        # Off the step's critical path: the snapshot in the compute dtype on the host (the model stays as it is
+        # until withdraw_weights, which waits for it), then the writing and the atomic commit.
+        files = copy_files(model, compute_dtype)
+        snapshot = _WRITER.submit(lambda: {name: tensor.to("cpu", copy=True)
+                                           for name, tensor in compute_tensors(model, compute_dtype, tied_once=False)})
+        written = _WRITER.submit(lambda: self._write(version, files, snapshot.result()))
         with _COPIES_LOCK:
-            _COPIES[key] = _WRITER.submit(self._write, version, copy_files(model, compute_dtype), state)
+            _COPIES[key] = (snapshot, written)
         return self.layout.weights_dir("actor", version)
 
     def _write(self, version: int, files: dict[str, str], state) -> None:
@@ -129,6 +131,10 @@ class MemoryTransport(StorageTransport):
         prune_weights(self.layout, version, self.keep_weights)
 
     def withdraw_weights(self) -> None:
+        with _COPIES_LOCK:
+            pending = _COPIES.get(self.layout.run_dir)
+        if pending is not None:
+            pending[0].result()  # the stored copy's snapshot is taken before the model changes
         published = _PUBLISHED.pop(self.layout.run_dir, None)
         if published is not None:
             published.withdraw()
@@ -137,7 +143,7 @@ class MemoryTransport(StorageTransport):
         with _COPIES_LOCK:
             pending = _COPIES.pop(self.layout.run_dir, None)
         if pending is not None:
-            pending.result()  # a failed write raises here: in the checkpoint or export that needed it
+            pending[1].result()  # a failed snapshot or write raises here: in the checkpoint or export that needed it
 
     def sync_weights(self, engine, version: int) -> dict[str, float]:
         published = _PUBLISHED.get(self.layout.run_dir)

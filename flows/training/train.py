@@ -30,6 +30,7 @@ from flows.runtime.console import progress
 from flows.runtime.driver import RunState, for_this_flow_run, run_name_for_this_flow_run, start_run
 from flows.runtime.residents import release_run
 from flows.runtime.system_metrics import stop_system_metrics
+from flows.runtime.transport import transport_for
 from flows.training.export import export_run
 from flows.training.preflight import check_inputs
 from flows.training.stages import (STAGES, advantages, checkpoint_actor, checkpoint_critic, old_logprobs, reference,
@@ -187,6 +188,7 @@ def train(config: Config | None = None, config_file: str | None = None, deployme
         summary["val_reward_end"] = end["val/reward/mean"]
         # The final policy as a Hugging Face folder (weights + tokenizer), also as an MLflow model.
         progress(f"exporting the final policy (step {trainer.total_steps}) and logging it to MLflow as a model ...")
+        transport_for(config).flush()  # the last step's stored copy, which the export reads, is committed
         summary["export_dir"] = str(export_run(config.run.storage_root, config.run.name))
         _log_final_model(state, summary)
         progress(f"final policy: {summary['export_dir']}" + (f", registered as {summary['registered_model']}"
