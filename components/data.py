@@ -53,9 +53,19 @@ def _open_parquet(path: str, field: str) -> pa.Table:
             f"{field}: file {path!r} does not exist; give existing Parquet files (paths or fsspec URIs)"
         )
     try:
-        return pq.read_table(path_in_filesystem, filesystem=filesystem)
+        table = pq.read_table(path_in_filesystem, filesystem=filesystem)
     except (pa.ArrowInvalid, OSError) as error:
-        raise ValueError(f"{field}: file {path!r} is not a readable Parquet file ({error})") from error
+        detail = str(error).replace(f"Could not open Parquet input source '{path_in_filesystem}': ", "")
+        raise ValueError(f"{field}: file {path!r} is not a readable Parquet file ({detail})") from error
+    for name, column in zip(table.column_names, table.columns):
+        try:
+            column.validate(full=True)  # text that is not UTF-8 would fail later, naming no file
+        except pa.ArrowInvalid as error:
+            detail = str(error).splitlines()[0]
+            problem, fix = (("holds text that is not UTF-8", "write the file again with UTF-8 text") if "UTF8" in detail
+                            else ("does not validate", "write the file again"))
+            raise ValueError(f"{field}: file {path!r} column {name!r} {problem} ({detail}); {fix}") from error
+    return table
 
 
 def _normalize_table(table: pa.Table, path: str, field: str) -> pa.Table:

@@ -7,10 +7,13 @@ PyTorch SDPA (flash-attn is optional; it has no wheels on the index used here).
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import torch
 
+TOKENIZER_PROBE = "hello world 12"
+"""The text a loaded tokenizer must encode to tokens and decode back (case and spacing aside)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -45,14 +48,35 @@ def resolve_attn_implementation(requested: str, device: torch.device, dtype: tor
     return requested
 
 
-def check_model_source(path: str, field: str = "model.path") -> None:
-    """A value that looks like a local path must exist; hub names are left to from_pretrained."""
+def check_model_source(path: str, field: str = "model.path", needs_config: bool = False) -> None:
+    """A value that looks like a local path must exist and be a folder, with `needs_config` one with a readable
+    config.json (a model, not only a tokenizer); hub names are left to from_pretrained."""
     looks_local = path.startswith((".", "/", "~")) or Path(path).exists()
-    if looks_local and not Path(path).expanduser().exists():
+    local = Path(path).expanduser()
+    if looks_local and not local.exists():
         raise ValueError(
             f"{field}={path!r} does not exist; give a local model folder or a Hugging Face hub name "
             "(`rlhf make-tiny-model DIR` writes a tiny one)"
         )
+    if not looks_local:
+        return
+    if not local.is_dir():
+        raise ValueError(f"{field}={path!r} is a file, not a model folder; give the folder that holds its "
+                         "config.json (or a Hugging Face hub name)")
+    config = local / "config.json"
+    if not needs_config:
+        return
+    if not config.is_file():
+        raise ValueError(f"{field}={path!r} has no config.json, so it is not a Hugging Face model folder; give "
+                         "the folder from save_pretrained (or a hub name)")
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{field}={path!r}: {str(config)!r} is not UTF-8 text (byte 0x{error.object[error.start]:02x} "
+                         f"at position {error.start}); write config.json as UTF-8 JSON") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{field}={path!r}: {str(config)!r} is not valid JSON (line {error.lineno}, column "
+                         f"{error.colno}: {error.msg}); give the config.json save_pretrained writes") from None
 
 
 def model_source(path: str) -> str:
@@ -60,15 +84,42 @@ def model_source(path: str) -> str:
     return str(local) if local.exists() else path
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """The model's tokenizer, with a pad token (the EOS token when the model defines none)."""
+def load_tokenizer(path: str, trust_remote_code: bool = False, field: str = "model.path", check: bool = False):
+    """The model's tokenizer, with a pad token (the EOS token when the model defines none); ValueError naming
+    `field` when it does not load, and with `check` when a round trip of a short text fails (check_tokenizer).
+
+    `check` is off by default because roles load a tokenizer from weights folders that hold none (published
+    weights/actor/<k>, which from_pretrained turns into an empty vocabulary); preflight checks model.path."""
     from transformers import AutoTokenizer
 
-    check_model_source(path)
-    tokenizer = AutoTokenizer.from_pretrained(model_source(path), trust_remote_code=trust_remote_code)
+    check_model_source(path, field)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_source(path), trust_remote_code=trust_remote_code)
+    except Exception as error:  # transformers and tokenizers fail with anything on a broken folder
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ValueError(f"{field}={path!r}: its tokenizer does not load ({type(error).__name__}: {detail}); give "
+                         "a model folder with its tokenizer files (tokenizer.json, tokenizer_config.json) or a hub "
+                         "name") from error
+    if check:
+        check_tokenizer(tokenizer, path, field)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def check_tokenizer(tokenizer, path: str, field: str = "model.path") -> None:
+    """Encode and decode TOKENIZER_PROBE: a tokenizer that gives no tokens or another text back is broken (a
+    model folder without tokenizer files loads as an empty vocabulary, which turns every prompt into 0 tokens)."""
+    ids = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"{field}={path!r}: its tokenizer is broken: it encodes {TOKENIZER_PROBE!r} to no tokens "
+                         "(are the tokenizer files, tokenizer.json or vocab.json and merges.txt, missing?); give a "
+                         "model folder with its tokenizer files or a hub name")
+    decoded = tokenizer.decode(ids, skip_special_tokens=True)
+    if " ".join(decoded.split()).lower() != TOKENIZER_PROBE:
+        raise ValueError(f"{field}={path!r}: its tokenizer is broken: {TOKENIZER_PROBE!r} encodes to {len(ids)} "
+                         f"tokens that decode to {decoded!r}; give a model folder with its tokenizer files or a "
+                         "hub name")
 
 
 def load_pretrained(

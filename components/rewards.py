@@ -161,20 +161,34 @@ def call_reward(function: RewardFunction, **fields):
     return function(*(fields[name] for name in positional), **{name: fields[name] for name in keywords})
 
 
+class RewardFunctionError(ValueError):
+    """A reward function raised, or returned no finite number, for one sample; `index` is that sample's position
+    in the batch scored (None once the error has crossed a process)."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+def function_name(function: RewardFunction) -> str:
+    """`module:qualname`, as reward.function names a user function."""
+    return f"{getattr(function, '__module__', '?')}:{getattr(function, '__qualname__', repr(function))}"
+
+
 def _as_finite_float(value, index: int, function: RewardFunction) -> float:
     """Coerce one reward to float, rejecting text, NaN and infinities with a pointed message."""
-    name = f"{getattr(function, '__module__', '?')}:{getattr(function, '__qualname__', repr(function))}"
+    name = function_name(function)
     # verl lets a reward function return {"score": ..., <extra metrics>}; only the score matters here.
     if isinstance(value, dict) and "score" in value:
         value = value["score"]
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-        raise ValueError(
-            f"reward function {name} returned {value!r} for sample {index}; it must return a number"
+        raise RewardFunctionError(
+            f"reward function {name} returned {value!r} for sample {index}; it must return a number", index
         )
     number = float(value)
     if not math.isfinite(number):
-        raise ValueError(
-            f"reward function {name} returned {number} for sample {index}; rewards must be finite"
+        raise RewardFunctionError(
+            f"reward function {name} returned {number} for sample {index}; rewards must be finite", index
         )
     return number
 
@@ -187,7 +201,8 @@ def score_responses(
     extra_infos: Sequence[dict | None] | None = None,
 ) -> list[float]:
     """Apply a reward function to every sample, by keyword (see the module docstring); each result must be
-    a finite number."""
+    a finite number. RewardFunctionError (one line naming the function and the sample) when the function raises
+    or returns anything else."""
     extra_infos = list(extra_infos) if extra_infos is not None else [None] * len(response_texts)
     lengths = {len(response_texts), len(ground_truths), len(data_sources), len(extra_infos)}
     assert len(lengths) == 1, f"score_responses got mismatched lengths {lengths}"
@@ -197,7 +212,14 @@ def score_responses(
             zip(response_texts, ground_truths, data_sources, extra_infos)):
         fields = {"data_source": source, "solution_str": response, "response_text": response,
                   "ground_truth": truth, "extra_info": info}
-        value = function(*(fields[name] for name in positional), **{name: fields[name] for name in keywords})
+        try:
+            value = function(*(fields[name] for name in positional), **{name: fields[name] for name in keywords})
+        except Exception as error:  # user code may raise anything: name the function and the sample
+            detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise RewardFunctionError(
+                f"reward function {function_name(function)} raised {type(error).__name__}"
+                f"{': ' + detail if detail else ''} on sample {index} (data_source {source!r}); fix the function "
+                "(rlhf --debug shows its traceback)", index) from error
         scores.append(_as_finite_float(value, index, function))
     return scores
 

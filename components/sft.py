@@ -28,17 +28,30 @@ def warm_start(
     lr: float,
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
+    resume: dict | None = None,
+    checkpoint_every: int = 0,
+    on_checkpoint: Callable[[int, dict], None] | None = None,
 ) -> list[float]:
     """Fine-tune `model` in place for `steps` AdamW steps; return the loss of each step. `on_step(step, loss)`
-    is called after each step (1-based), e.g. to report progress."""
+    is called after each step (1-based), e.g. to report progress.
+
+    Every `checkpoint_every` steps (before the last) `on_checkpoint(step, state)` gets what continuing needs
+    besides the weights: the AdamW state, the data order's generator, torch's RNG and the losses so far.
+    `resume` (such a state, with `model` holding the weights saved beside it) continues from its step, and
+    ends with exactly the weights of a run that was never stopped."""
     device = next(model.parameters()).device
     targets = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                for text in target_texts]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(seed)
-    losses = []
+    losses: list[float] = []
+    if resume is not None:
+        optimizer.load_state_dict(resume["optimizer"])
+        generator.set_state(resume["generator"])
+        torch.set_rng_state(resume["torch_rng"])
+        losses = [float(loss) for loss in resume["losses"]]
     model.train()
-    for _ in range(steps):
+    while len(losses) < steps:
         rows = torch.randint(len(targets), (batch_size,), generator=generator).tolist()
         batch = build_sequence_batch([prompt_ids[r] for r in rows], [targets[r] for r in rows],
                                      tokenizer.pad_token_id).to(device)
@@ -51,5 +64,8 @@ def warm_start(
         losses.append(float(loss.detach()))
         if on_step is not None:
             on_step(len(losses), losses[-1])
+        if on_checkpoint is not None and checkpoint_every and len(losses) % checkpoint_every == 0 and len(losses) < steps:
+            on_checkpoint(len(losses), {"optimizer": optimizer.state_dict(), "generator": generator.get_state(),
+                                        "torch_rng": torch.get_rng_state(), "losses": list(losses)})
     model.eval()
     return losses

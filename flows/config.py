@@ -208,6 +208,9 @@ class WarmStartConfig(Section):
     """Examples per warm-start step."""
     lr: float = Field(1e-3, gt=0)
     """Warm-start learning rate."""
+    checkpoint_every: int = Field(100, ge=0)
+    """Save the warm-start's state (weights, AdamW, data order) every N of its steps (0: never): a run stopped
+    during the warm-start continues it from there on resume instead of starting it over."""
     target: str = "auto"
     """What the warm-start trains toward: auto (a row's extra_info.answer, verl's GSM8K worked answer ending in
     `#### n`, else the ground truth), ground_truth, or extra_info.<key>."""
@@ -459,7 +462,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             problem = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
             raise ConfigError(f"config file {str(path)!r} {problem}")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte 0x{error.object[error.start]:02x} "
+                              f"at position {error.start}); save it as UTF-8") from None
         except yaml.YAMLError as error:
             mark = getattr(error, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

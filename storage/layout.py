@@ -14,7 +14,10 @@ to pass to `layout.fs`.
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
+from pathlib import Path
 
 import fsspec
 
@@ -38,6 +41,35 @@ def _check_path_component(value: str, field: str) -> str:
             "'.', '_' or '-' (and not only dots)"
         )
     return value
+
+
+def local_write_problem(path: str | os.PathLike) -> str | None:
+    """Why a folder could not be created or written at the local `path` (None: it can): the nearest existing
+    folder above it is probed by creating and removing a temporary folder there, so nothing is left behind."""
+    target = Path(path).expanduser().absolute()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{str(existing)!r} is a file, not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rlhf-write-check-", dir=existing))
+    except OSError as error:
+        return f"cannot create a folder in {str(existing)!r} ({error.strerror or type(error).__name__})"
+    return None
+
+
+def check_storage_root(root: str, field: str = "run.storage_root") -> None:
+    """A local storage root (a path or file:// URI) must be creatable and writable: LayoutError naming `field`
+    otherwise. Other fsspec URIs (s3://, memory://) are left to their filesystem."""
+    fs, path = fsspec.core.url_to_fs(root)
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if not {"file", "local"} & set(protocols):
+        return
+    problem = local_write_problem(path)
+    if problem:
+        raise LayoutError(f"{field}={root!r} is not writable: {problem}; give a folder you can write (a local "
+                          "path or an fsspec URI)")
 
 
 def _check_step(step: int) -> int:

@@ -91,6 +91,7 @@ def test_no_import_cycle():
 LAZY_PROJECT_IMPORTS = {
     "flows.tools.cli": "the CLI imports a command's modules when it runs (`rlhf --help` in about a second)",
     "flows.tools.compare": "tracking imports mlflow, needed only when the command runs",
+    "flows.tools.submit": "the flow's config resolution imports torch and Prefect, needed only when the command runs",
     "flows.training.registry": "the Prefect task wrapper: the registry stays importable without Prefect",
 }
 

@@ -4,8 +4,10 @@ Prefect's console handler prints every task run's lifecycle (`Created task run`,
 Completed()`), several lines per stage; transformers draws a progress bar each time it writes or loads a
 model. `quiet_console()` keeps those off the terminal only: the records still reach Prefect's API handler
 (the UI shows them) because the filter sits on the console handlers, not on the loggers. What stays: the
-flow's own lines (one per step, the run's start and end), every warning and error, and the progress lines
-of long work (`progress(...)`: model loads and the engine start, the warm-start, the export).
+flow's own lines (one per step, the run's start and end), every warning and error except the engine's report
+of a run failed by a user error (a ValueError, OSError or FloatingPointError: the CLI prints it as one line,
+Prefect keeps its traceback), and the progress lines of long work (`progress(...)`: model loads and the engine
+start, the warm-start, the export).
 """
 
 from __future__ import annotations
@@ -26,14 +28,30 @@ _ENGINE_LINES = re.compile(
     r"Downloading flow code|Running \d+ deployment pull step|Executing deployment step)")
 
 
+USER_ERRORS = (ValueError, OSError, FloatingPointError)
+"""What a stage raises for the user to fix (bad data, a reward function that raised, a path, NaN in a step):
+`rlhf` prints it as its one `error:` line, so the terminal shows no traceback of it (Prefect's log keeps it)."""
+
+
+def _reported_by_the_cli(record: logging.LogRecord) -> bool:
+    """Prefect's engine reporting a task or flow run that failed: with a user error (the traceback), or the
+    final `Finished in state Failed(...)` line, which repeats the error the CLI prints."""
+    if record.levelno != logging.ERROR or not record.name.startswith(("prefect.task_runs", "prefect.flow_runs")):
+        return False
+    if record.exc_info and isinstance(record.exc_info[1], USER_ERRORS):
+        return True
+    return record.getMessage().startswith("Finished in state Failed(")
+
+
 class ConsoleFilter(logging.Filter):
-    """Drops Prefect's per-task lifecycle lines (INFO and below) from a console handler."""
+    """Drops Prefect's per-task lifecycle lines (INFO and below) from a console handler, and its reports of a
+    run failed by a user error (the CLI's one line says it)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "rlhf_progress", False):  # progress() printed it already
             return False
         if record.levelno >= logging.WARNING:
-            return True
+            return not _reported_by_the_cli(record)
         if record.name.startswith("prefect.task_runs"):
             return False
         if record.name.startswith(("prefect.flow_run", "prefect.workers")):

@@ -19,7 +19,9 @@ import itertools
 import time
 from typing import Any
 
+from prefect import get_run_logger
 from prefect.client.orchestration import get_client
+from prefect.exceptions import MissingContextError
 from prefect.states import Crashed
 
 from flows.runtime.worker import heartbeat_dir, read_heartbeats, take_result
@@ -77,10 +79,12 @@ class RemoteStage:
     """One stage dispatched to its role's workers; `result()` waits, resubmitting when a worker dies."""
 
     def __init__(self, stage_task, stage: str, role: str, args: tuple, *, worker_timeout_s: float,
-                 worker_wait_s: float, stage_timeout_s: float):
+                 worker_wait_s: float, stage_timeout_s: float, retries: int = 0):
         self.task, self.stage, self.role, self.args = stage_task, stage, role, args
         self.worker_timeout_s, self.worker_wait_s, self.stage_timeout_s = worker_timeout_s, worker_wait_s, stage_timeout_s
-        self.resubmits = 0
+        self.retries = retries
+        """trainer.stage_retries: how often a stage that raised is submitted again (a lost worker does not count)."""
+        self.resubmits = self.attempt = 0
         self._submit()
 
     def _submit(self) -> None:
@@ -104,13 +108,33 @@ class RemoteStage:
                 state = client.read_task_run(self.future.task_run_id).state
                 if state is not None and state.is_final():
                     found, value = take_result(str(self.future.task_run_id))  # published since the look above
-                    return value if found else self.future.result()
+                    if found:
+                        return value
+                    try:
+                        return self.future.result()
+                    except Exception as error:  # the stage raised: retry as Prefect does in one process
+                        if self.attempt >= self.retries:
+                            raise
+                        self._retry(error)
+                        continue
                 if self._lost(state):
                     self._resubmit(client)
                 elif time.monotonic() - self.submitted_at > self.stage_timeout_s:
                     raise TimeoutError(f"stage {self.stage} did not finish within trainer.stage_timeout_s="
                                        f"{self.stage_timeout_s:.0f} s")
                 time.sleep(POLL_INTERVAL_S)
+
+    def _retry(self, error: Exception) -> None:
+        """Submit the stage again after it raised, with the line Prefect logs for a retried task."""
+        self.attempt += 1
+        step = self.args[1] if len(self.args) > 1 else None
+        message = (f"stage {self.stage}" + ("" if step is None else f" at step {step}")
+                   + f" failed: {type(error).__name__}: {error} - Retry {self.attempt}/{self.retries} will start immediately.")
+        try:
+            get_run_logger().warning(message)
+        except MissingContextError:  # outside a flow run
+            print(message, flush=True)
+        self._submit()
 
     def dispatch_s(self, result: dict) -> float | None:
         """Seconds from this stage's submission to its start in a worker (the server's queue and the

@@ -7,6 +7,7 @@ stands. `start_run` begins a run or, with run.resume, continues it from its late
 from __future__ import annotations
 
 import datetime
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,10 +17,13 @@ from components.algorithms import make_kl_controller
 from flows.config import Config, ConfigError, RunConfig, layout_for
 from flows.runtime.artifacts import PrefectArtifacts
 from flows.runtime.dispatch import RemoteStage
-from flows.runtime.recovery import (commit_checkpoint, driver_state, finished_stage_metrics, latest_checkpoint,
-                                    read_run_record, record_stage_metrics, run_record_path, write_run_record)
+from flows.runtime.attempts import end_dead_attempts, record_attempt
+from flows.runtime.recovery import (check_step_files, commit_checkpoint, driver_state, finished_stage_metrics,
+                                    latest_checkpoint, read_run_record, record_resume_changes, record_stage_metrics,
+                                    repair_latest_pointer, run_record_path, write_run_record)
 from flows.runtime.residents import release_run
 from flows.runtime.system_metrics import start_system_metrics
+from flows.runtime.tasks import scoped
 from flows.runtime.tracking import Tracker, flow_run_tags, tracking_uri
 from flows.runtime.worker import heartbeat_dir, read_heartbeats
 
@@ -58,9 +62,9 @@ class RunState:
             if pending.metrics is not None:
                 return pending
         if trainer.execution == "workers" and stage.role != "driver":
-            pending.handle = RemoteStage(stage.task, stage.name, stage.role, (self.config, *args),
+            pending.handle = RemoteStage(scoped(stage.task), stage.name, stage.role, (self.config, *args),
                                          worker_timeout_s=trainer.worker_timeout_s, worker_wait_s=trainer.worker_wait_s,
-                                         stage_timeout_s=trainer.stage_timeout_s)
+                                         stage_timeout_s=trainer.stage_timeout_s, retries=trainer.stage_retries)
         else:
             pending.handle = stage.task.with_options(retries=trainer.stage_retries).submit(self.config, *args)
         return pending
@@ -142,6 +146,8 @@ def start_run(config: Config, lineage: dict | None = None) -> RunState:
         record = read_run_record(layout)
         tracker = Tracker(config, run_id=record["mlflow_run_id"])
         tracker.client.update_run(tracker.run_id, status="RUNNING")
+        for line in _verify_for_resume(layout, config, tracker):
+            print(line)
         start_step = latest_checkpoint(layout) or 0
         if start_step:
             controller.load_state_dict(driver_state(layout, start_step)["kl_controller"])
@@ -158,19 +164,39 @@ def start_run(config: Config, lineage: dict | None = None) -> RunState:
                 raise ConfigError(
                     f"run.overwrite=true: {layout.run_dir} holds no run.json, so it is not a run of this project; "
                     "it is left as it is; choose another run.name or run.storage_root")
-            layout.fs.rm(layout.run_dir, recursive=True)
+            layout.fs.rm(layout.run_dir, recursive=True)  # not a live run: the caller holds the run's lock
         layout.fs.makedirs(layout.run_dir, exist_ok=True)
         tracker = Tracker(config)
         write_run_record(layout, {"config": _with_absolute_paths(config), "mlflow_run_id": tracker.run_id,
-                                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                                  "lineage": lineage or {}})
+                                  "created": _now(), "lineage": lineage or {}})
         if lineage:
             tracker.log_lineage(lineage)
         state_kwargs = {}
+    for line in end_dead_attempts(record_attempt(layout, str(flow_run.id) if flow_run.id else None)):
+        print(line)
     tracker.set_tags(flow_run_tags())
     start_system_metrics(config, "driver")
     artifacts = PrefectArtifacts(config, tracker.uri, tracker.experiment_id, tracker.run_id)
     return RunState(config=config, tracker=tracker, kl_controller=controller, artifacts=artifacts, **state_kwargs)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat()
+
+
+def _verify_for_resume(layout, config: Config, tracker: Tracker) -> list[str]:
+    """Before a resume restores anything: the checkpoint pointer is whole (rebuilt when missing), every step's
+    stage files validate (flows.runtime.recovery), and what the resume changed in the config (its overrides) is
+    kept in run.json and tagged in MLflow. One line per finding."""
+    lines = [line for line in [repair_latest_pointer(layout)] if line]
+    lines += check_step_files(layout, latest_checkpoint(layout) or 0)
+    changes = record_resume_changes(layout, _with_absolute_paths(config), _now())
+    if changes:
+        resumes = len(read_run_record(layout).get("resumes", []))
+        tracker.set_tags({f"rlhf.resume.{resumes}.changed": json.dumps(changes)[:5000]})
+        lines.append("resumed with " + ", ".join(f"{key}={after!r} (was {before!r})"
+                                                 for key, (before, after) in changes.items()))
+    return lines
 
 
 def _with_absolute_paths(config: Config) -> dict:

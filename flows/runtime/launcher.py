@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,9 +22,12 @@ from typing import Iterator
 from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_LOCAL_STORAGE_PATH, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
 
+from flows.runtime.supervision import PARENT_PID_ENV, tied_to_this_process
 from flows.runtime.worker import HEARTBEAT_INTERVAL_S, free_port, read_heartbeats
 
 DEFAULT_PREFECT_HOME = Path(".rlhf/prefect")
+EMBEDDED_SERVERS: dict[str, subprocess.Popen] = {}
+"""API URL -> the server process prefect_server started for it (flows.runtime.supervision.ServerWatch)."""
 
 
 def server_environment(prefect_home: Path) -> dict[str, str]:
@@ -61,13 +65,17 @@ def prefect_server(prefect_home: Path = DEFAULT_PREFECT_HOME, port: int | None =
     port = port or free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     log = open(prefect_home / "server.log", "ab")
+    # Tied to this process: a driver killed with SIGKILL does not leave its server running.
     process = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        tied_to_this_process([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                              "--port", str(port)]),
         env=server_environment(prefect_home), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    EMBEDDED_SERVERS[api_url] = process
     try:
         wait_until_healthy(api_url, process)
         yield api_url
     finally:
+        EMBEDDED_SERVERS.pop(api_url, None)
         stop_process_groups([process], grace_s=20)
         log.close()
 
@@ -115,7 +123,8 @@ class WorkerPool:
     """One worker process per role, pinned to its devices, restarted when it dies; stopped on exit.
 
     `assignments` maps role -> "cpu" or GPU indices relative to this process's CUDA_VISIBLE_DEVICES.
-    Workers get their own process group, so stopping the pool (or Ctrl-C) leaves no orphans.
+    Workers get their own process group, so stopping the pool (or Ctrl-C) leaves no orphans, and they exit
+    when this process dies, even by SIGKILL (flows.runtime.supervision).
     """
 
     def __init__(self, assignments: dict[str, object], env: dict[str, str], log_dir: Path, max_restarts: int = 5,
@@ -141,8 +150,9 @@ class WorkerPool:
         command = [sys.executable, "-m", "flows.tools.cli", "worker", "--role", role,
                    "--devices", self.devices_argument(self.assignments[role])]
         command += [argument for module in self.preload.get(role, ()) for argument in ("--preload", module)]
-        self.processes[role] = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True)
+        self.processes[role] = subprocess.Popen(tied_to_this_process(command),
+                                                env={**self.env, PARENT_PID_ENV: str(os.getpid())},
+                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
 
     def start(self) -> None:
@@ -179,21 +189,33 @@ class WorkerPool:
             time.sleep(0.3)
         raise RuntimeError(f"workers did not start within {timeout_s:.0f} s; see {self.log_dir}/worker-*.log")
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 15) -> None:
         self._stopping.set()
-        stop_process_groups(list(self.processes.values()), grace_s=15)
+        stop_process_groups(list(self.processes.values()), grace_s=grace_s)
 
 
-def worker_environment(api_url: str, storage_root: str, heartbeat_directory: str,
+def worker_environment(api_url: str, storage_root: str, heartbeat_directory: str, run_name: str = "",
                        prefect_home: Path = DEFAULT_PREFECT_HOME) -> dict[str, str]:
     """What every process of a run shares: the Prefect API, result storage and the heartbeat folder."""
     env = server_environment(prefect_home)
     env.update(PREFECT_API_URL=api_url, RLHF_WORKER_DIR=heartbeat_directory,
                # Task parameters and results travel through this folder: it must be shared by the
-               # driver and every worker (a shared mount when workers run on other hosts).
+               # driver and every worker (a shared mount when workers run on other hosts). One per run, so
+               # that a finished run's can be removed (remove_run_files).
                PREFECT_LOCAL_STORAGE_PATH=env.get("PREFECT_LOCAL_STORAGE_PATH")
-               or str(Path(storage_root, ".prefect-results").resolve()))
+               or str(prefect_results_dir(storage_root, run_name)))
     return env
+
+
+def prefect_results_dir(storage_root: str, run_name: str = "") -> Path:
+    return Path(storage_root, ".prefect-results", run_name).resolve()
+
+
+def remove_run_files(*directories) -> None:
+    """Remove what only the live run needed (its heartbeat folder, its Prefect parameter and result files)."""
+    for directory in directories:
+        if directory and Path(directory).is_dir():
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def print_worker_summary(heartbeat_directory: str, now: float | None = None) -> None:

@@ -145,3 +145,86 @@ def finished_stage_metrics(layout: RunLayout, stage, step: int | None, expected_
         return read_json(layout.fs, metrics_path)
     except StorageFileError:
         return None
+
+
+def _role_checkpoint_whole(layout: RunLayout, step: int) -> bool:
+    """Every role folder of checkpoint `step` is committed and its driver part is written."""
+    if not checkpoint_committed(layout, step):
+        return False
+    directory = layout.checkpoint_dir(step)
+    roles = [entry for entry in layout.fs.ls(directory, detail=True) if entry["type"] == "directory"]
+    return all(layout.fs.exists(f"{entry['name'].rstrip('/')}/{COMMITTED_MARKER}") for entry in roles)
+
+
+def repair_latest_pointer(layout: RunLayout) -> str | None:
+    """A missing or unreadable checkpoints/latest.json, or one naming a checkpoint that is not whole, is
+    rewritten to the newest whole checkpoint; returns a line saying so (None when nothing changed)."""
+    path = f"{layout.run_dir}/checkpoints/latest.json"
+    try:
+        pointed = latest_checkpoint(layout)
+    except (StorageFileError, KeyError, ValueError, TypeError):
+        pointed = "unreadable"
+    if isinstance(pointed, int) and _role_checkpoint_whole(layout, pointed):
+        return None
+    whole = [step for step in layout.step_folders(f"{layout.run_dir}/checkpoints") if _role_checkpoint_whole(layout, step)]
+    if not whole:
+        if pointed is None:
+            return None
+        layout.fs.rm(path)
+        return f"checkpoints/latest.json named checkpoint {pointed}, which is not whole, and no whole checkpoint exists: the run restarts at step 0"
+    write_json_atomic(layout.fs, path, {"step": whole[-1]})
+    what = "was missing" if pointed is None else f"named checkpoint {pointed}, which is not whole"
+    return f"checkpoints/latest.json {what}: rebuilt from the newest whole checkpoint, step {whole[-1]}"
+
+
+def check_step_files(layout: RunLayout, start_step: int) -> list[str]:
+    """Validate every committed stage file of every step (footer, schema; a partial or corrupt file fails).
+    A bad file of a step the resume reruns (>= start_step) is removed with its metrics, so the stage runs
+    again; one of an earlier step, which nothing reruns, is moved aside to `<file>.corrupt`. One line each."""
+    lines = []
+    for step in layout.step_folders(f"{layout.run_dir}/steps"):
+        for stage in sorted(layout.committed_stages(step)):
+            if validate_stage_file(layout, step, stage):
+                continue
+            path = layout.stage_path(step, stage)
+            metrics = f"{layout.step_dir(step)}/{stage}.metrics.json"
+            if step >= start_step:
+                layout.fs.rm(path)
+                if layout.fs.exists(metrics):
+                    layout.fs.rm(metrics)
+                lines.append(f"steps/{step}/{stage}.parquet is corrupt or partial: removed, the stage runs again")
+            else:
+                layout.fs.mv(path, f"{path}.corrupt")
+                lines.append(f"steps/{step}/{stage}.parquet is corrupt or partial: step {step} is before checkpoint "
+                             f"{start_step}, where the run resumes, so nothing reruns it; moved to {stage}.parquet.corrupt")
+    return lines
+
+
+IGNORED_ON_RESUME = ("run.resume", "run.overwrite")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def record_resume_changes(layout: RunLayout, config_record: dict, when: str) -> dict:
+    """Keep what a resume changed (its overrides, e.g. model.path or trainer.total_steps): run.json's config
+    becomes the resumed one, so every later stage, resume and the export read it, and `resumes` lists each
+    resume's changes as {key: [before, after]}. Returns the changes (empty when none)."""
+    record = read_run_record(layout)
+    before, after = _flatten(record["config"]), _flatten(config_record)
+    changes = {key: [before.get(key), after.get(key)] for key in sorted(set(before) | set(after))
+               if before.get(key) != after.get(key) and key not in IGNORED_ON_RESUME}
+    if changes:
+        kept = {key.split(".")[1]: record["config"]["run"].get(key.split(".")[1]) for key in IGNORED_ON_RESUME}
+        record["config"] = config_record
+        record["config"]["run"].update(kept)
+        record["resumes"] = [*record.get("resumes", []), {"at": when, "changed": changes}]
+        write_run_record(layout, record)
+    return changes

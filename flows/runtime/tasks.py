@@ -46,6 +46,41 @@ def inject_failure(stage: str, step) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+TASK_SCOPE_ENV = "RLHF_TASK_SCOPE"
+"""The run a driver and its workers share: stage task runs carry it in their Prefect task key, so a worker
+serves only its own run's stages when several runs (a schedule beside a manual run) share one server.
+`rlhf run` sets it to run.name for its driver and workers; hand-started workers take it from the
+environment (give a run's driver and its workers the same value; unset: one run per server)."""
+_SCOPED: dict[tuple[str, str], object] = {}
+
+
+def task_scope() -> str:
+    return os.environ.get(TASK_SCOPE_ENV, "")
+
+
+def scoped(stage_task, scope: str | None = None):
+    """The stage's Prefect task with its task key scoped to `scope` (default: this process's task_scope()):
+    a task worker subscribes to task keys, so it is handed only runs submitted under the same scope."""
+    scope = task_scope() if scope is None else scope
+    if not scope:
+        return stage_task
+    key = (stage_task.task_key, scope)
+    if key not in _SCOPED:
+        function = stage_task.fn
+
+        @functools.wraps(function)
+        def run_scoped(*args, **kwargs):
+            return function(*args, **kwargs)
+
+        # Prefect derives a task's key from its function's name (and code) whenever it copies the task (the
+        # task worker does): the scope goes into the name.
+        run_scoped.__qualname__ = f"{function.__qualname__}@{scope.replace('.', '_')}"
+        _SCOPED[key] = stage_task.with_options()
+        _SCOPED[key].fn = run_scoped
+        _SCOPED[key].task_key = _SCOPED[key].with_options().task_key
+    return _SCOPED[key]
+
+
 def task_run_name(stage: str) -> Callable[..., str]:
     """How a stage's task runs are named in Prefect: `<stage>-<step>` (`rollout-3`, `validate-0`), or the stage's
     name for a stage without a step (`warm_start`, `prepare_actor`). Prefect calls it with the call's

@@ -12,6 +12,7 @@ registered model (`register_model`).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.metadata
 import json
 import logging
@@ -31,11 +32,14 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
 from mlflow.tracking import MlflowClient
+from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+from mlflow.utils.uri import get_uri_scheme
 from prefect.runtime import flow_run as prefect_flow_run
 from prefect.utilities.urls import url_for
 
 from components.placement import ROLES
 from flows.config import Config, flatten
+from storage.layout import local_write_problem
 
 MAX_PARAM_LENGTH = 6000
 RUN_NAME_TAG = "rlhf.run_name"
@@ -52,6 +56,40 @@ def tracking_uri(config: Config) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         uri = prefix + str(path)
     return uri
+
+
+def check_tracking_uri(uri: str, field: str = "tracking.tracking_uri") -> None:
+    """The URI names a tracking store MLflow has (its scheme), and a SQLite or file store's folder can be created
+    and written: ValueError naming `field` otherwise. Nothing is created and no server is contacted."""
+    shown = f"{field}={redact_credentials(uri)!r}"
+    if uri in ("databricks", "databricks-uc", "uc"):
+        return
+    if "://" not in uri and ":" in uri.split("/", 1)[0]:  # "sqlite:mlflow.db", "http:host": a scheme without //
+        raise ValueError(f"{shown} is not a URI MLflow reads (no '//' after {uri.split(':', 1)[0] + ':'!r}); e.g. "
+                         "sqlite:///.rlhf/mlflow.db, http://host:5000 or a local folder")
+    try:
+        scheme = get_uri_scheme(uri)
+        _tracking_store_registry.get_store_builder(uri)  # which store class; builds nothing
+    except MlflowException:
+        schemes = ", ".join(sorted(name for name in getattr(_tracking_store_registry, "_registry", {}) if name))
+        raise ValueError(f"{shown}: MLflow has no tracking store for the scheme {uri.split('://', 1)[0]!r}; use "
+                         f"one of {schemes} (e.g. sqlite:///.rlhf/mlflow.db or http://host:5000)") from None
+    if scheme == "sqlite":
+        if not uri.startswith("sqlite:///") or uri == "sqlite:///":
+            raise ValueError(f"{shown} is not a SQLite URI MLflow reads; use sqlite:///<relative path> or "
+                             "sqlite:////<absolute path> (e.g. sqlite:///.rlhf/mlflow.db)")
+        folder = Path(uri[len("sqlite:///"):]).parent
+    elif scheme in ("http", "https"):
+        if not uri.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError(f"{shown} names no host; e.g. http://127.0.0.1:5000")
+        return
+    elif scheme in ("", "file"):
+        folder = Path(uri.split("://", 1)[1] if scheme else uri)
+    else:
+        return
+    if problem := local_write_problem(folder):
+        raise ValueError(f"{shown}: the store's folder {str(folder)!r} is not writable: {problem}; give a path "
+                         "you can write, e.g. sqlite:///.rlhf/mlflow.db")
 
 
 def _git_commit() -> str:
@@ -117,6 +155,24 @@ def _sqlite_store_missing(uri: str) -> bool:
         return False
     path = uri[len(prefix):]
     return bool(path) and path != ":memory:" and not Path(path).exists()
+
+
+@contextlib.contextmanager
+def _first_use_of_store(uri: str) -> Iterator[None]:
+    """One process at a time creates a SQLite store's schema and an experiment: two runs starting at once on a
+    fresh store otherwise race in MLflow's migration ("one migration expected to match one row") or both create
+    the experiment. A lock file beside the database; other stores need none."""
+    prefix = "sqlite:///"
+    path = uri[len(prefix):] if uri.startswith(prefix) else ""
+    if not path or path == ":memory:" or not Path(path).parent.is_dir():
+        yield
+        return
+    with open(f"{path}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def find_active_run_id(config: Config) -> str | None:
@@ -225,12 +281,13 @@ class Tracker:
 
     def __init__(self, config: Config, run_id: str | None = None):
         self.uri = tracking_uri(config)
-        self.client = MlflowClient(tracking_uri=self.uri)
-        mlflow.set_tracking_uri(self.uri)
-        experiment = self.client.get_experiment_by_name(config.tracking.experiment)
-        experiment_id = (experiment.experiment_id if experiment
-                         else self.client.create_experiment(config.tracking.experiment,
-                                                            artifact_location=artifact_location(self.uri)))
+        with _first_use_of_store(self.uri):  # runs started at once (a schedule beside a manual run) share the store
+            self.client = MlflowClient(tracking_uri=self.uri)
+            mlflow.set_tracking_uri(self.uri)
+            experiment = self.client.get_experiment_by_name(config.tracking.experiment)
+            experiment_id = (experiment.experiment_id if experiment
+                             else self.client.create_experiment(config.tracking.experiment,
+                                                                artifact_location=artifact_location(self.uri)))
         if run_id is None:
             run = self.client.create_run(experiment_id, run_name=config.run.name, tags=run_tags(config))
             run_id = run.info.run_id

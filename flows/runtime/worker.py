@@ -32,6 +32,7 @@ from components.distributed import broadcast_call, init_from_environment
 from components.vllm_rollout import preload_vllm
 from flows.runtime.console import quiet_console
 from flows.runtime.residents import LOAD_COUNTS, forget_earlier_run
+from flows.runtime.supervision import watch_parent
 from flows.runtime.system_metrics import stop_system_metrics
 from storage import write_bytes_atomic
 
@@ -298,6 +299,8 @@ def serve_role(role: str, visible: str, tasks: list, directory: str | None = Non
 
     CURRENT = Heartbeat(role, visible or "cpu", directory or heartbeat_dir())
     CURRENT.start()
+    # Started for a driver (`rlhf run`): gone when it is, even when it was SIGKILLed.
+    watch_parent(on_death=CURRENT.stop)
     try:
         with CURRENT.preloading(preload):
             preload_modules(preload)

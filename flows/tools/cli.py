@@ -7,6 +7,7 @@
     rlhf make-data arithmetic .rlhf/data/arithmetic
     rlhf resume RUN                      # continue a failed run at its first unfinished stage
     rlhf export RUN [STEP]               # a Hugging Face folder of the trained policy
+    rlhf submit quickstart trainer.total_steps=20   # a deployment's run, its config checked first
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 import yaml
@@ -115,15 +119,28 @@ def cmd_worker(args) -> int:
     from flows.runtime.worker import follow, pin_devices, serve_role
 
     visible = pin_devices(args.devices)  # before anything imports torch in this process
+    from flows.runtime.tasks import scoped
     from flows.training.registry import SHARDED_ROLES, role_stages
     from flows.training.stages import STAGES  # importing the stages fills the registry
 
-    if args.follower:
-        follow({name: spec.function for name, spec in STAGES.items() if spec.role == args.role and spec.all_ranks})
-    else:
-        serve_role(args.role, visible, [spec.task for spec in role_stages(args.role)], args.heartbeat_dir,
-                   preload=args.preload, sharded=args.role in SHARDED_ROLES)
-    return 0
+    code = 0
+    try:
+        if args.follower:
+            follow({name: spec.function for name, spec in STAGES.items() if spec.role == args.role and spec.all_ranks})
+        else:
+            serve_role(args.role, visible, [scoped(spec.task) for spec in role_stages(args.role)], args.heartbeat_dir,
+                       preload=args.preload, sharded=args.role in SHARDED_ROLES)
+    except SystemExit as stop:  # SIGTERM: Prefect's task worker exits; its heartbeat is already removed
+        code = stop.code if isinstance(stop.code, int) else 0
+    except KeyboardInterrupt:  # SIGTERM or SIGINT (main's handler): stopped on purpose
+        code = 0
+    except BaseException:  # noqa: BLE001 - printed to the worker's log, then out at once (below)
+        traceback.print_exc()
+        code = 1
+    # At once: a stage still running on one of the task worker's threads would keep the interpreter alive.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_config_show(args) -> int:
@@ -189,6 +206,8 @@ def add_export_parser(subcommands):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf", description=__doc__.replace("\n\n", "\n\nexamples:\n", 1),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (also RLHF_DEBUG=1); by default an error is one line")
     commands = parser.add_subparsers(dest="command", required=True)
     overrides_help = "key.path=value overrides, e.g. trainer.total_steps=10 actor.optim.lr=1e-5"
 
@@ -239,9 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from flows.tools.compare import add_compare_parser
     from flows.tools.doctor import add_doctor_parser
+    from flows.tools.submit import add_submit_parser
 
     add_compare_parser(commands)
     add_doctor_parser(commands)
+    add_submit_parser(commands)
     add_export_parser(commands)
 
     config = commands.add_parser("config", help="inspect configurations",
@@ -273,17 +294,66 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _raise_on_signal(signum, frame):
+    """SIGTERM and SIGINT: unwind like Ctrl-C (workers, the server and the MLflow run are stopped on the way out)."""
+    from flows.runtime.supervision import STOPPING
+
+    STOPPING.set()
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _stop_line(stop: BaseException) -> tuple[str, int]:
+    """`SIGTERM: stopped; the run is resumable: rlhf resume NAME` and the exit code (128 + the signal)."""
+    number, message, error = int(signal.SIGINT), "", stop
+    for _ in range(10):
+        if error is None:
+            break
+        text = str(error)
+        if isinstance(error, KeyboardInterrupt) and text in signal.Signals.__members__:
+            number = int(signal.Signals[text])
+        elif isinstance(getattr(error, "signal", None), int):  # prefect.exceptions.TerminationSignal
+            number = error.signal
+        elif isinstance(error, KeyboardInterrupt) and text and not message:
+            message = text
+        error = error.__cause__ or error.__context__
+    return f"{signal.Signals(number).name}: {message or 'stopped'}", 128 + number
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("RLHF_DEBUG", "") not in ("", "0")
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {number: signal.signal(number, _raise_on_signal) for number in (signal.SIGTERM, signal.SIGINT)}
     try:
         return args.handler(args)
-    except (ValueError, OSError) as error:  # user errors (config, data, paths): one line, no traceback
-        print(f"error: {error}", file=sys.stderr)
+    except KeyboardInterrupt as stop:
+        line, code = _stop_line(stop)
+        print(line, file=sys.stderr)
+        return code
+    except Exception as error:  # user errors (config, data, paths) and failures: one line, no traceback
+        if debug:
+            raise
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if not isinstance(error, (ValueError, OSError)):
+            message = f"{type(error).__name__}: {message}" if message else type(error).__name__
+        print(f"error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def entry() -> int:
+    """The `rlhf` console script: main(), then out at once after a stop, so that a stage still running on a
+    thread of this process (one-process execution) does not keep it alive."""
+    code = main()
+    if code >= 128:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

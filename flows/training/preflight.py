@@ -1,6 +1,8 @@
 """What a run reads, checked before anything is created (server, MLflow run, run folder) or any model loads.
 
-`check_inputs(config)` checks model.path, the reward function, the prompt files (exist, Parquet, the
+`check_inputs(config)` checks the torchrun-style environment (RANK < WORLD_SIZE, ...), that run.storage_root and
+tracking.tracking_uri can be written (nothing is created), model.path (a model folder whose tokenizer loads and
+round-trips a short text), the reward function, the prompt files (exist, Parquet, the
 columns verl's layout needs, not empty, prompts within data.max_prompt_length per data.overlong_prompts)
 and data.prompts_per_step against the prompts there are; a problem is one ValueError line naming the
 field, the value and what would be valid. It returns what a run reports at its start: prompt counts,
@@ -13,14 +15,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
+from typing import Mapping
 
 import fsspec
 
 from components.data import expand_pattern, load_prompts
 from components.models import check_model_source, load_tokenizer
+from components.placement import check_distributed_env
 from components.rewards import AUTO, load_reward_function, scorer_for
 from flows.config import Config
+from flows.runtime.tracking import check_tracking_uri
 from storage import RunLayout
+from storage.layout import check_storage_root
 
 
 @dataclass(frozen=True)
@@ -67,20 +73,23 @@ class InputSummary:
         return lines
 
 
-def check_inputs(config: Config) -> InputSummary:
-    """See the module docstring; raises ValueError with one line."""
-    check_model_source(config.model.path)
+def check_inputs(config: Config, env: Mapping[str, str] | None = None) -> InputSummary:
+    """See the module docstring; raises ValueError with one line. `env` (default os.environ) holds the
+    torchrun-style variables checked (components.placement.check_distributed_env)."""
+    if errors := check_distributed_env(os.environ if env is None else env):
+        raise ValueError("; ".join(errors))
+    check_storage_root(config.run.storage_root)
+    check_tracking_uri(config.tracking.tracking_uri)
+    # With model.from_run the policy's weights come from that run; model.path still gives the tokenizer.
+    check_model_source(config.model.path, needs_config=not config.model.from_run)
+    if config.critic.model_path and config.uses_critic:
+        check_model_source(config.critic.model_path, field="critic.model_path", needs_config=True)
     start = starting_point(config)
     if config.reward.kind == "rule":
         load_reward_function(config.reward.function)
     else:
-        check_model_source(config.reward.model_path, field="reward.model_path")
-    try:
-        tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
-    except (OSError, ValueError, TypeError) as error:
-        raise ValueError(f"model.path={config.model.path!r}: its tokenizer does not load ({type(error).__name__}: "
-                         f"{str(error).splitlines()[0] if str(error) else ''}); give a model folder with tokenizer "
-                         "files or a hub name") from error
+        check_model_source(config.reward.model_path, field="reward.model_path", needs_config=True)
+    tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code, check=True)
     data = config.data
     train, dropped = load_prompts(data.train_files, tokenizer, max_prompt_length=data.max_prompt_length,
                                   overlong=data.overlong_prompts, field="data.train_files", target=config.warm_start.target)

@@ -23,12 +23,14 @@ from __future__ import annotations
 import time
 
 from prefect import flow, get_run_logger
+from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run as prefect_flow_run
 
 from flows.config import Config, ConfigError, build_config, layout_for, load_config
 from flows.runtime.console import progress
 from flows.runtime.driver import RunState, for_this_flow_run, run_name_for_this_flow_run, start_run
 from flows.runtime.residents import release_run
+from flows.runtime.supervision import RunLock
 from flows.runtime.system_metrics import stop_system_metrics
 from flows.runtime.transport import transport_for
 from flows.training.export import export_run
@@ -146,7 +148,14 @@ def train(config: Config | None = None, config_file: str | None = None, deployme
     logger = get_run_logger()
     config = for_this_flow_run(resolve_config(config, config_file, deployment_overrides, overrides))
     inputs = check_inputs(config)  # before the run folder or the MLflow run exists
-    state = start_run(config, lineage=inputs.lineage())
+    # One live driver per run folder (held for the whole run; re-entrant: `rlhf` took it before the server).
+    lock = RunLock(config.run.storage_root, config.run.name)
+    lock.acquire()
+    try:
+        state = start_run(config, lineage=inputs.lineage())
+    except BaseException:
+        lock.release()
+        raise
     for line in inputs.lines():
         logger.info(line)
     state.tracker.log_params({f"reward.scorer.{source}": scorer for source, scorer in inputs.scorers.items()})
@@ -195,7 +204,11 @@ def train(config: Config | None = None, config_file: str | None = None, deployme
                                                               if "registered_model" in summary else ""))
         status = "FINISHED"
         return summary
+    except (KeyboardInterrupt, TerminationSignal):  # SIGINT, SIGTERM: stopped, resumable
+        status = "KILLED"
+        raise
     finally:
         stop_system_metrics()
         state.tracker.finish(status)
         release_run(config)
+        lock.release()

@@ -1,6 +1,8 @@
 """Tests for device/dtype/attention resolution and model/tokenizer loading (components/models.py)."""
 
 import importlib.util
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torch
 from components import models
 from components.models import (
     check_model_source,
+    check_tokenizer,
     load_causal_lm,
     load_pretrained,
     load_tokenizer,
@@ -124,6 +127,42 @@ def test_check_model_source_existing_folder(model_path):
 def test_load_tokenizer_missing_path_fails_early():
     with pytest.raises(ValueError, match=r"model\.path"):
         load_tokenizer("./does-not-exist")
+
+
+def test_a_tokenizer_is_checked_by_a_round_trip(model_path, tmp_path):
+    check_tokenizer(load_tokenizer(str(model_path)), str(model_path))  # the tiny one round-trips
+
+    class Lossy:  # e.g. a vocabulary without these characters
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [3, 3]}
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "<unk><unk>"
+
+    with pytest.raises(ValueError) as error:
+        check_tokenizer(Lossy(), "/models/m", field="reward.model_path")
+    assert str(error.value) == ("reward.model_path='/models/m': its tokenizer is broken: 'hello world 12' encodes to 2 "
+                                "tokens that decode to '<unk><unk>'; give a model folder with its tokenizer files or a "
+                                "hub name")
+    # A model folder without tokenizer files loads as an empty vocabulary: refused when checked.
+    shutil.copy(Path(model_path) / "config.json", tmp_path / "config.json")
+    assert load_tokenizer(str(tmp_path))("hello")["input_ids"] == []
+    with pytest.raises(ValueError, match=r"its tokenizer is broken: it encodes 'hello world 12' to no tokens"):
+        load_tokenizer(str(tmp_path), check=True)
+
+
+def test_check_model_source_wants_a_readable_config_when_asked(model_path, tmp_path):
+    check_model_source(str(model_path), needs_config=True)
+    check_model_source(str(tmp_path))  # a folder (e.g. a tokenizer's) is enough without needs_config
+    with pytest.raises(ValueError) as error:
+        check_model_source(str(tmp_path), field="critic.model_path", needs_config=True)
+    assert str(error.value) == (f"critic.model_path={str(tmp_path)!r} has no config.json, so it is not a Hugging Face "
+                                "model folder; give the folder from save_pretrained (or a hub name)")
+    (tmp_path / "config.json").write_text('{"model_type": ')
+    with pytest.raises(ValueError) as error:
+        check_model_source(str(tmp_path), needs_config=True)
+    assert str(error.value) == (f"model.path={str(tmp_path)!r}: {str(tmp_path / 'config.json')!r} is not valid JSON "
+                                "(line 1, column 16: Expecting value); give the config.json save_pretrained writes")
 
 
 def test_load_tokenizer_keeps_pad_token(model_path):

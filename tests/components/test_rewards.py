@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from components.rewards import REWARD_FUNCTIONS, RewardModel, load_reward_function, score_responses
+from components.rewards import (REWARD_FUNCTIONS, RewardFunctionError, RewardModel, load_reward_function,
+                                score_responses)
 from components.tiny import build_tiny_model
 
 
@@ -78,6 +79,8 @@ def test_user_function_loading(tmp_path, monkeypatch):
         "    return float('nan') if response_text == 'bad' else 0.0\n"
         "def text_reward(response_text, ground_truth, data_source='', extra_info=None):\n"
         "    return 'high'\n"
+        "def raising_reward(response_text, ground_truth, data_source=''):\n"
+        "    return 1.0 / len(response_text)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     function = load_reward_function("my_rewards:length_reward")
@@ -87,6 +90,13 @@ def test_user_function_loading(tmp_path, monkeypatch):
         score_responses(load_reward_function("my_rewards:nan_reward"), ["ok", "bad"], ["", ""], ["", ""])
     with pytest.raises(ValueError, match=r"text_reward returned 'high' for sample 0"):
         score_responses(load_reward_function("my_rewards:text_reward"), ["ok"], [""], [""])
+    # A function that raises: one line naming it and the sample, the original exception as the cause.
+    with pytest.raises(RewardFunctionError) as error:
+        score_responses(load_reward_function("my_rewards:raising_reward"), ["ok", ""], ["", ""], ["x", "gsm8k"])
+    assert str(error.value) == ("reward function my_rewards:raising_reward raised ZeroDivisionError: float division by "
+                                "zero on sample 1 (data_source 'gsm8k'); fix the function (rlhf --debug shows its "
+                                "traceback)")
+    assert error.value.index == 1 and isinstance(error.value.__cause__, ZeroDivisionError)
 
 
 @pytest.mark.parametrize(

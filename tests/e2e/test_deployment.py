@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from flows.tools.submit import submit
 from storage import COMMITTED_MARKER, RunLayout, validate_stage_file
 
 pytestmark = pytest.mark.e2e
@@ -136,7 +137,8 @@ def test_deploy_from_prefect_yaml_and_run_on_a_process_worker(prefect_api, tmp_p
     client = MlflowClient(tracking_uri=config["tracking"]["tracking_uri"])
     experiment_id = client.create_experiment("deployment-e2e", artifact_location=(tmp_path / "mlartifacts").as_uri())
     # As the README shows: the run's `overrides` add to the deployment's config file and its own overrides.
-    flow_run = run_deployment("rlhf-train/quickstart", parameters={"overrides": _as_overrides(config)}, timeout=0)
+    # Through `rlhf submit`, which checks the config the run will have before it creates the flow run.
+    flow_run = submit("quickstart", _as_overrides(config), REPO_ROOT / "prefect.yaml")
 
     # 5. A worker polls once, runs the flow in its own process (cwd elsewhere: the pull step must
     # move it to the checkout) and exits when the run has finished.

@@ -93,7 +93,7 @@ def test_a_vllm_rollout_worker_imports_vllm_before_its_first_stage(prefect_api, 
                          trainer={"total_steps": 2, "val_every": 0, "device": "cpu", "execution": "workers"})
     log = Path(".rlhf/logs", config.run.name, "worker-rollout.log")  # appended to: start empty
     log.unlink(missing_ok=True)
-    storage = worker_environment(prefect_api, config.run.storage_root, "")["PREFECT_LOCAL_STORAGE_PATH"]
+    storage = worker_environment(prefect_api, config.run.storage_root, "", config.run.name)["PREFECT_LOCAL_STORAGE_PATH"]
     with using_prefect_api(prefect_api, local_storage_path=storage), worker_pool(config, prefect_api) as pool:
         assert pool.preload == {"rollout": ["vllm"]}
         state = train(config, return_state=True)

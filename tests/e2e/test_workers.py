@@ -37,7 +37,7 @@ def _train_with_workers(config, prefect_api, during=None):
     from flows.runtime.launcher import using_prefect_api, worker_environment
     from flows.training.train import train
 
-    storage = worker_environment(prefect_api, config.run.storage_root, "")["PREFECT_LOCAL_STORAGE_PATH"]
+    storage = worker_environment(prefect_api, config.run.storage_root, "", config.run.name)["PREFECT_LOCAL_STORAGE_PATH"]
     with using_prefect_api(prefect_api, local_storage_path=storage), worker_pool(config, prefect_api) as pool:
         watcher = threading.Thread(target=during, args=(pool,), daemon=True) if during else None
         if watcher:

@@ -137,3 +137,13 @@ def test_model_from_run_records_the_step_of_the_weights_it_starts_from(inputs, t
         check_inputs(config(inputs, f"run.storage_root={runs}", "model.from_run=nope", "warm_start.steps=0"))
     assert str(error.value) == (f"model.from_run='nope': that run has no committed actor weights under {runs}; "
                                 "give a run that has trained at least one step, or unset it")
+
+
+def test_torchrun_variables_are_checked_before_anything_else(inputs):
+    """`env` stands for os.environ: RANK=3 of WORLD_SIZE=2 is refused, naming both (even with a bad model.path)."""
+    with pytest.raises(ValueError) as error:
+        check_inputs(config(inputs, "model.path=/nowhere/model"),
+                     env={"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    assert str(error.value) == "distributed env: RANK=3 must be < WORLD_SIZE=2"
+    assert check_inputs(config(inputs), env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                             "MASTER_PORT": "29500"}).train_prompts == 6
