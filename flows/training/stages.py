@@ -346,7 +346,12 @@ def validate(config: Config, step: int) -> StageResult:
     """Validation reward of the policy as it is at the start of `step`."""
     metrics = sync_rollout_weights(config, step)
     with timed(metrics, "testing"):
-        columns, val_metrics = evaluate(config, get_role(config, "rollout"), get_role(config, "val_prompts"))
+        records = get_role(config, "val_prompts")
+        try:
+            columns, val_metrics = evaluate(config, get_role(config, "rollout"), records)
+        except RewardFunctionError as error:
+            sample = f" (sample 'val-{records[error.index].index}')" if error.index is not None else ""
+            raise RewardFunctionError(f"stage validate at step {step}{sample}: {error}", error.index) from error
         path = _write(config, step, "validation", columns)
     return {"path": path, "metrics": metrics | val_metrics}
 

@@ -166,6 +166,11 @@ def test_a_stage_that_raises_is_retried_under_workers_and_the_run_leaves_nothing
     # The validation before RL is the first stage to score (in the rollout's worker): it raised, and ran again.
     attempts = sorted((run.name, run.state.type.value) for run in task_runs if run.name == "validate-0")
     assert attempts == [("validate-0", "COMPLETED"), ("validate-0", "FAILED")], attempts
+    failed = next(run for run in task_runs if run.name == "validate-0" and run.state.type.value == "FAILED")
+    assert failed.state.message.endswith(
+        "stage validate at step 0 (sample 'val-0'): reward function flaky_reward:exact_match_failing_once raised "
+        "ConnectionError: the reward service did not answer (once) on sample 0 (data_source 'arithmetic'); fix the "
+        "function (rlhf --debug shows its traceback)"), failed.state.message
     root = Path(config.run.storage_root)
     assert not (root / ".workers" / config.run.name).exists(), "heartbeats and result files left behind"
     assert not (root / ".prefect-results" / config.run.name).exists(), "Prefect parameter files left behind"
