@@ -75,9 +75,11 @@ def end_dead_attempts(flow_run_ids: list[str]) -> list[str]:
         except Exception as error:  # noqa: BLE001 - tidying the UI must not stop a resume
             lines.append(f"could not mark the earlier flow run {flow_run_id} Crashed: {error}")
             continue
-        if changed or count:
+        if changed:
             lines.append(f"earlier attempt {flow_run_id} never ended (its driver died): marked Crashed, with its "
                          f"{count} unfinished task run(s)")
+        elif count:
+            lines.append(f"earlier attempt {flow_run_id}: its {count} unfinished task run(s) marked Crashed")
     return lines
 
 

@@ -232,7 +232,7 @@ def test_the_nightly_schedule_fires_and_a_scheduled_run_completes_on_a_worker(pr
         f"flow run {run.id} ended {finished.state}; worker output:\n{output[-6000:]}"
     # run.name_timestamp: nightly-<the slot it was scheduled for>, a new folder per scheduled run (a retry of
     # the same flow run finds the same folder)
-    folders = sorted(path.name for path in (tmp_path / "runs").iterdir())
+    folders = sorted(path.name for path in (tmp_path / "runs").iterdir() if not path.name.startswith("."))  # .locks
     run_name = f"nightly-{run.expected_start_time:%Y%m%d-%H%M%S}"
     assert folders == ["base", run_name], folders
     layout = RunLayout(str(tmp_path / "runs"), run_name)
