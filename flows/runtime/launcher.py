@@ -23,7 +23,7 @@ from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_LOCAL_STORAGE_PATH, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
 
 from flows.runtime.supervision import PARENT_PID_ENV, tied_to_this_process
-from flows.runtime.worker import HEARTBEAT_INTERVAL_S, free_port, read_heartbeats
+from flows.runtime.worker import HEARTBEAT_INTERVAL_S, RESULTS_SUBDIR, free_port, read_heartbeats
 
 DEFAULT_PREFECT_HOME = Path(".rlhf/prefect")
 EMBEDDED_SERVERS: dict[str, subprocess.Popen] = {}
@@ -211,11 +211,21 @@ def prefect_results_dir(storage_root: str, run_name: str = "") -> Path:
     return Path(storage_root, ".prefect-results", run_name).resolve()
 
 
-def remove_run_files(*directories) -> None:
-    """Remove what only the live run needed (its heartbeat folder, its Prefect parameter and result files)."""
-    for directory in directories:
-        if directory and Path(directory).is_dir():
-            shutil.rmtree(directory, ignore_errors=True)
+def remove_run_files(directory) -> None:
+    """Remove what only the live run needed from `directory`: a heartbeat folder's heartbeats and stage results
+    (other files, such as fault-injection markers, stay), or a run's Prefect parameter folder; the folder
+    itself goes once empty."""
+    if not directory or not Path(directory).is_dir():
+        return
+    directory = Path(directory)
+    if directory.parent.name == ".prefect-results":
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    for beat in directory.glob("*.json*"):  # heartbeats and their half-written temporaries
+        beat.unlink(missing_ok=True)
+    shutil.rmtree(directory / RESULTS_SUBDIR, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        directory.rmdir()  # only when nothing else is left
 
 
 def print_worker_summary(heartbeat_directory: str, now: float | None = None) -> None:
