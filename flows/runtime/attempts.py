@@ -43,9 +43,9 @@ def record_attempt(layout: RunLayout, flow_run_id: str | None) -> list[str]:
     return [run_id for run_id in earlier if run_id != flow_run_id]
 
 
-def _end(flow_run_id: str, state_of_flow, state_of_tasks, only_unfinished_flow: bool) -> tuple[bool, int]:
-    """Set a flow run's state and its unfinished task runs' states; returns (whether the flow run's state
-    changed, how many task runs changed)."""
+def _end(flow_run_id: str, new_state, only_unfinished_flow: bool) -> tuple[bool, int]:
+    """Set a flow run's state and its unfinished task runs' states to `new_state()`; returns (whether the flow
+    run's state changed, how many task runs changed)."""
     with get_client(sync_client=True) as client:
         try:
             flow_run = client.read_flow_run(flow_run_id)
@@ -53,13 +53,13 @@ def _end(flow_run_id: str, state_of_flow, state_of_tasks, only_unfinished_flow: 
             return False, 0
         changed = not only_unfinished_flow or flow_run.state is None or flow_run.state.type in _UNFINISHED
         if changed:
-            client.set_flow_run_state(flow_run_id, state_of_flow(), force=True)
+            client.set_flow_run_state(flow_run_id, new_state(), force=True)
         task_runs = client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
             task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=_UNFINISHED),
                                                                    name=None)))
         for task_run in task_runs:
-            client.set_task_run_state(task_run.id, state_of_tasks(), force=True)
+            client.set_task_run_state(task_run.id, new_state(), force=True)
         return changed, len(task_runs)
 
 
@@ -70,8 +70,7 @@ def end_dead_attempts(flow_run_ids: list[str]) -> list[str]:
     for flow_run_id in flow_run_ids:
         message = "its driver died; a later attempt continues the run"
         try:
-            changed, count = _end(flow_run_id, lambda: Crashed(message=message), lambda: Crashed(message=message),
-                                  only_unfinished_flow=True)
+            changed, count = _end(flow_run_id, lambda: Crashed(message=message), only_unfinished_flow=True)
         except Exception as error:  # noqa: BLE001 - tidying the UI must not stop a resume
             lines.append(f"could not mark the earlier flow run {flow_run_id} Crashed: {error}")
             continue
@@ -89,7 +88,6 @@ def end_stopped(run_name: str, reason: str) -> None:
     if flow_run_id is None:
         return
     try:
-        _end(flow_run_id, lambda: Cancelled(message=reason), lambda: Cancelled(message=reason),
-             only_unfinished_flow=False)
+        _end(flow_run_id, lambda: Cancelled(message=reason), only_unfinished_flow=False)
     except Exception:  # noqa: BLE001 - the server may be gone too; the run is resumable either way
         pass

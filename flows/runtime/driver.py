@@ -190,9 +190,8 @@ def _verify_for_resume(layout, config: Config, tracker: Tracker) -> list[str]:
     kept in run.json and tagged in MLflow. One line per finding."""
     lines = [line for line in [repair_latest_pointer(layout)] if line]
     lines += check_step_files(layout, latest_checkpoint(layout) or 0)
-    changes = record_resume_changes(layout, _with_absolute_paths(config), _now())
+    changes, resumes = record_resume_changes(layout, _with_absolute_paths(config), _now())
     if changes:
-        resumes = len(read_run_record(layout).get("resumes", []))
         tracker.set_tags({f"rlhf.resume.{resumes}.changed": json.dumps(changes)[:5000]})
         lines.append("resumed with " + ", ".join(f"{key}={after!r} (was {before!r})"
                                                  for key, (before, after) in changes.items()))

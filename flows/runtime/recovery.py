@@ -213,10 +213,11 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def record_resume_changes(layout: RunLayout, config_record: dict, when: str) -> dict:
+def record_resume_changes(layout: RunLayout, config_record: dict, when: str) -> tuple[dict, int]:
     """Keep what a resume changed (its overrides, e.g. model.path or trainer.total_steps): run.json's config
     becomes the resumed one, so every later stage, resume and the export read it, and `resumes` lists each
-    resume's changes as {key: [before, after]}. Returns the changes (empty when none)."""
+    resume's changes as {key: [before, after]}. Returns the changes (empty when none) and how many resumes
+    changed something, this one included."""
     record = read_run_record(layout)
     before, after = _flatten(record["config"]), _flatten(config_record)
     changes = {key: [before.get(key), after.get(key)] for key in sorted(set(before) | set(after))
@@ -227,4 +228,4 @@ def record_resume_changes(layout: RunLayout, config_record: dict, when: str) -> 
         record["config"]["run"].update(kept)
         record["resumes"] = [*record.get("resumes", []), {"at": when, "changed": changes}]
         write_run_record(layout, record)
-    return changes
+    return changes, len(record.get("resumes", []))
