@@ -3,6 +3,7 @@
     python bench/step.py --algorithm grpo --gpus 1            # every role on one GPU, one process
     python bench/step.py --algorithm ppo --gpus 1
     python bench/step.py --algorithm grpo --gpus 2            # rollout on GPU 0, training roles on GPU 1
+    python bench/step.py --algorithm grpo --gpus 1 --workers  # one GPU, each role in a worker of its own
     python bench/step.py --preset qwen2.5-3b                  # the Qwen2.5-3B shape (model dir follows the preset)
     python bench/step.py --table out/*.json                   # one table from saved results (TRL's too)
 
@@ -58,7 +59,7 @@ from bench.common import (  # noqa: E402
 from bench.rollout import write_fixed_prompts  # noqa: E402
 
 STAGES = ("gen", "weight_sync", "reward", "old_log_prob", "ref", "values", "adv", "update_actor", "update_critic",
-          "save_weights")
+          "save_weights", "send_weights")
 
 
 class GpuMemorySampler:
@@ -98,7 +99,8 @@ class GpuMemorySampler:
 def product_config(args, model_dir: Path, data: Path, work: Path) -> dict:
     grpo = args.algorithm == "grpo"
     config = {
-        "run": {"name": f"bench-{args.algorithm}-{args.gpus}gpu{'-ahead' if args.one_step_ahead else ''}",
+        "run": {"name": f"bench-{args.algorithm}-{args.gpus}gpu{'-ahead' if args.one_step_ahead else ''}"
+                        f"{'-workers' if args.workers else ''}",
                 "storage_root": str(work / "runs")},
         # fp32 master weights and optimizer state with bf16 compute (autocast) on GPUs; float32 on the CPU.
         "model": {"path": str(model_dir), "compute_dtype": "bfloat16" if args.device == "cuda" else "float32",
@@ -120,13 +122,17 @@ def product_config(args, model_dir: Path, data: Path, work: Path) -> dict:
         "trainer": {"total_steps": args.warmup + args.steps, "val_every": 0,
                     "checkpoint_every": args.warmup + args.steps,
                     "one_step_ahead": args.one_step_ahead,
-                    "device": args.device, "execution": "local" if args.gpus == 1 else "workers"},
+                    "device": args.device, "execution": "workers" if args.gpus > 1 or args.workers else "local"},
         "tracking": {"tracking_uri": f"sqlite:///{work}/mlflow.db", "experiment": "bench"},
     }
     if args.gpus == 2:
         training = ["actor"] if grpo else ["actor", "critic"]
         config["placement"] = {"roles": {"rollout": [0], **{role: [1] for role in training}, "reward": "cpu"},
                                "colocate": [training] if len(training) > 1 else []}
+    elif args.workers:  # one GPU shared by workers of their own (the rollout's engine sleeps while they train)
+        training = ["actor"] if grpo else ["actor", "critic"]
+        config["placement"] = {"roles": {"rollout": [0], **{role: [0] for role in training}, "reward": "cpu"},
+                               "colocate": [["rollout", *training]]}
     return config
 
 
@@ -198,7 +204,7 @@ def run_product(args) -> dict:
     peak_tflops = measure_bf16_matmul_tflops() if args.device == "cuda" else None
     started = time.perf_counter()
     with GpuMemorySampler() as memory:
-        summary, _ = run_training(config, start_workers=args.gpus > 1)
+        summary, _ = run_training(config, start_workers=args.gpus > 1 or args.workers)
     wall_s = time.perf_counter() - started
 
     client = MlflowClient(config.tracking.tracking_uri)
@@ -235,6 +241,10 @@ def run_product(args) -> dict:
         "update_mfu": flops / update_s / 1e12 / peak_tflops if update_s and peak_tflops else None,
         "gpu_peak_used_gib": memory.peaks, "wall_s": wall_s, "args": vars(args), "machine": machine_info(),
         "logprob_diff_mean": after_warmup("rollout/logprob_diff_mean"),
+        # per step: the weights' hand-over (rollout side, wake included), its publication and the actor's sending
+        "weights_s_all": {name: after_warmup(f"timing_s/{name}") for name in ("weight_sync", "save_weights",
+                                                                               "send_weights")},
+        "stream_fallbacks": len(after_warmup("weights/stream_fallback")),
         "preset": args.preset, "parameters": parameter_count(model_config),
         "compute_dtype": getattr(model_section, "compute_dtype", getattr(model_section, "dtype", None)),
         "master_dtype": getattr(model_section, "master_dtype", None),
@@ -260,6 +270,7 @@ def label(result: dict) -> str:
     preset = result["args"].get("preset", "qwen2.5-0.5b")
     name += f", {preset}" if preset != "qwen2.5-0.5b" else ""
     name += ", one-step-ahead" if result["args"].get("one_step_ahead") else ""
+    name += ", workers" if result["args"].get("workers") else ""
     return name + "".join(f", {override}" for override in result["args"].get("set") or [])
 
 
@@ -313,6 +324,8 @@ def main() -> None:
     parser.add_argument("--reward", default="digits",
                         help="digits (default): the fraction of digits in the response, as bench/trl_grpo.py; or a "
                              "reward.function (exact_match: every random response scores 0, so GRPO does not move)")
+    parser.add_argument("--workers", action="store_true",
+                        help="--gpus 1 with each role in a worker of its own (trainer.execution=workers), all on GPU 0")
     parser.add_argument("--one-step-ahead", action="store_true",
                         help="trainer.one_step_ahead: the next step's rollout runs while this one trains (--gpus 2)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

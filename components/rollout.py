@@ -15,6 +15,9 @@ from typing import Sequence
 import torch
 
 from components.models import load_causal_lm, load_tokenizer
+from components.weight_channel import GroupReceiver, gpu_uuids, open_payload
+from components.weight_stream import new_session
+from components.weights import unpack_bucket
 from storage import padded_tensor
 
 
@@ -69,6 +72,9 @@ class HFRolloutEngine:
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self.weights_version: int | None = None
+        self.weight_session = new_session()
+        self._groups = GroupReceiver()
+        self._loading: dict[str, torch.Tensor] | None = None
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype="float32", device="auto", attn_implementation="auto",
@@ -82,17 +88,13 @@ class HFRolloutEngine:
         the actor's live model in memory (components.weights.InMemoryWeights), tensor by tensor."""
         from safetensors.torch import load_file
 
+        if hasattr(source, "receive_into"):  # streamed from the actor's worker (components.weight_stream)
+            source.receive_into(self)
+            return
         if not isinstance(source, str):
-            current = self.model.state_dict()
-            received = 0
-            with torch.no_grad():
-                for name, tensor in source.tensors():
-                    if name not in current or current[name].shape != tensor.shape:
-                        raise ValueError(f"in-memory weights do not match the rollout model at {name!r}")
-                    current[name].copy_(tensor)
-                    received += 1
-            if received == 0:
-                raise ValueError("the in-memory weights hold no tensors")
+            self.begin_load()
+            self._copy_in(source.tensors())
+            self.finish_load()
             return
         path = source
         state = {}
@@ -110,6 +112,37 @@ class HFRolloutEngine:
             raise ValueError(f"weights in {path} do not match the rollout model: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}, other shapes {mismatched[:3]}")
         self.model.load_state_dict(state, strict=False)
+
+    # -- loading buckets (components.weight_stream.Loader) -----------------------------------------
+
+    def describe_loaders(self) -> dict:
+        device = next(self.model.parameters()).device
+        return {"device": device.type, "gpus": gpu_uuids() if device.type == "cuda" else [], "loaders": 1}
+
+    def join_weight_group(self, channel: dict, prefix: str, first_rank: int, world: int, backend: str,
+                          timeout_s: float) -> None:
+        self._groups.join(channel, prefix, first_rank, world, backend, timeout_s)
+
+    def begin_load(self) -> None:
+        self._loading, self._received = self.model.state_dict(), 0
+
+    def load_bucket(self, specs: list, payload: dict) -> None:
+        buffer, _ = open_payload(payload, self._groups)
+        self._copy_in(unpack_bucket(specs, buffer))  # copies at once: the buffer may be reused next
+
+    def finish_load(self) -> None:
+        received, self._loading = self._received, None
+        if received == 0:
+            raise ValueError("the in-memory weights hold no tensors")
+
+    @torch.no_grad()
+    def _copy_in(self, tensors) -> None:
+        for name, tensor in tensors:
+            target = self._loading.get(name)
+            if target is None or target.shape != tensor.shape:
+                raise ValueError(f"in-memory weights do not match the rollout model at {name!r}")
+            target.copy_(tensor)
+            self._received += 1
 
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Sequence
 
 from components.rollout import Generation, SamplingParams, logprob_prompts
-from components.weights import InMemoryWeights, pack_buckets
+from components.weight_channel import ipc_payload
+from components.weight_stream import RemoteWeights, new_session
+from components.weights import InMemoryWeights, StaleWeightsError, pack_buckets
 
 WEIGHTS_BUCKET_BYTES = 512 * 2**20
 """Default size of one in-memory weights bucket (verl's update_weights_bucket_megabytes: 512)."""
@@ -133,6 +135,8 @@ class VLLMRolloutEngine:
         """Where the engine's weights came from (and are reloaded from on wake): the initial model's folder,
         then each published policy, a stored copy or the actor's live model."""
         self.bucket_bytes = bucket_bytes
+        self.weight_session = new_session()
+        """Names this engine to an actor's worker streaming weights to it (components/weight_stream.py)."""
         self._ipc_visible: bool | None = None
         self.load_mode: str | None = None
         """How the last in-memory load went in the workers: 'direct' or 'layerwise' (components/vllm_worker.py)."""
@@ -148,9 +152,10 @@ class VLLMRolloutEngine:
         """The stored copy the engine's weights came from (None: from memory)."""
         return self.weights_source if isinstance(self.weights_source, str) else None
 
-    def load_weights(self, source: str | InMemoryWeights) -> None:
+    def load_weights(self, source: str | InMemoryWeights | RemoteWeights) -> None:
         """Load new weights into every worker, in place: a safetensors folder (a stored copy of the
-        actor's), or the actor's live model in memory (`InMemoryWeights`)."""
+        actor's), the actor's live model in this process (`InMemoryWeights`), or a version streamed from the
+        actor's worker (`RemoteWeights`)."""
         if isinstance(source, str) and not any(Path(source).glob("*.safetensors")):
             raise ValueError(f"no *.safetensors weights in {source}")
         if self.asleep:
@@ -158,11 +163,13 @@ class VLLMRolloutEngine:
         else:
             self._reload(source)
 
-    def _reload(self, source: str | InMemoryWeights) -> None:
+    def _reload(self, source: str | InMemoryWeights | RemoteWeights) -> None:
         started = time.perf_counter()
         if isinstance(source, str):
             self.llm.collective_rpc("rlhf_reload_path", args=(str(source),))
             self.last_metrics.pop("weights/buckets", None)
+        elif isinstance(source, RemoteWeights):
+            self.last_metrics["weights/buckets"] = float(source.receive_into(self))
         else:
             self.last_metrics["weights/buckets"] = float(self._stream(source))
         # Cached prefixes were computed by the old weights.
@@ -175,11 +182,11 @@ class VLLMRolloutEngine:
         returns the number of buckets."""
         count = 0
         tensors = source.tensors()  # raises StaleWeightsError before the engine is touched
-        self.load_mode = self.llm.collective_rpc("rlhf_begin_load")[0]
+        self.begin_load()
         for bucket in pack_buckets(tensors, self.bucket_bytes):
-            self.llm.collective_rpc("rlhf_load_bucket", args=(bucket.specs, self._payload(bucket)))
+            self.load_bucket(bucket.specs, self._payload(bucket))
             count += 1
-        self.llm.collective_rpc("rlhf_finish_load")
+        self.finish_load()
         return count
 
     def _payload(self, bucket) -> dict:
@@ -191,13 +198,31 @@ class VLLMRolloutEngine:
         if buffer.is_cuda:
             uuid = str(torch.cuda.get_device_properties(buffer.device).uuid)
             if self._ipc_visible is None:
-                self._ipc_visible = all(self.llm.collective_rpc("rlhf_can_open", args=(uuid,)))
+                self._ipc_visible = uuid in self.describe_loaders()["gpus"]
             if self._ipc_visible:
-                torch.cuda.current_stream(buffer.device).synchronize()  # the packing copies are done
-                share = buffer.untyped_storage()._share_cuda_()
-                return {"kind": "cuda_ipc", "device_uuid": uuid, "share": list(share),
-                        "offset": buffer.storage_offset(), "nbytes": bucket.nbytes}
+                return ipc_payload(buffer, bucket.nbytes)
         return {"kind": "bytes", "data": buffer[:bucket.nbytes].cpu().numpy().tobytes()}
+
+    # -- loading buckets (components.weight_stream.Loader) -----------------------------------------
+
+    def describe_loaders(self) -> dict:
+        """Where the workers compute, the GPUs every one of them sees, and how many they are."""
+        infos = self.llm.collective_rpc("rlhf_describe")
+        common = set(infos[0]["gpus"]).intersection(*(info["gpus"] for info in infos[1:]))
+        return {"device": infos[0]["device"], "gpus": sorted(common), "loaders": len(infos)}
+
+    def join_weight_group(self, channel: dict, prefix: str, first_rank: int, world: int, backend: str,
+                          timeout_s: float) -> None:
+        self.llm.collective_rpc("rlhf_join_group", args=(channel, prefix, first_rank, world, backend, timeout_s))
+
+    def begin_load(self) -> None:
+        self.load_mode = self.llm.collective_rpc("rlhf_begin_load")[0]
+
+    def load_bucket(self, specs: list, payload: dict) -> None:
+        self.llm.collective_rpc("rlhf_load_bucket", args=(specs, payload))
+
+    def finish_load(self) -> None:
+        self.llm.collective_rpc("rlhf_finish_load")
 
     # -- memory ----------------------------------------------------------------------------------
 
@@ -219,6 +244,10 @@ class VLLMRolloutEngine:
             # activations under local execution: tens of GB at 3B) go back to the driver, where the engine's
             # process can take them (a 3B run on one H200 ran out of memory at wake-up before this was added).
             torch.cuda.empty_cache()
+        if source is None and isinstance(self.weights_source, RemoteWeights):
+            # Sleep discarded them, and a stream is not read twice: the transport streams them again.
+            raise StaleWeightsError("the engine slept after its weights were streamed from the actor's worker; "
+                                    "they must be streamed again")
         # Weights first, loaded before the KV cache is allocated, so that the peak stays low.
         self.llm.wake_up(tags=["weights"])
         self._reload(self.weights_source if source is None else source)
@@ -367,10 +396,10 @@ class DataParallelRollout:
             for name, value in engine.last_metrics.items():
                 self.last_metrics[name] = max(value, self.last_metrics.get(name, value))
 
-    def load_weights(self, source: str | InMemoryWeights) -> None:
+    def load_weights(self, source: str | InMemoryWeights | RemoteWeights) -> None:
         if isinstance(source, str):
             self._each([lambda engine=engine: engine.load_weights(source) for engine in self.engines])
-        else:  # one stream at a time: the live model is read by one sender
+        else:  # one stream at a time: the live model is read by one sender (a pull of its own per engine)
             for engine in self.engines:
                 engine.load_weights(source)
         self._gather_metrics(self.engines)

@@ -4,8 +4,10 @@ is pickled across processes (vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION stays off)
 plain data (strings, numbers, lists, bytes).
 
 Weights arrive two ways: a safetensors folder on storage (`rlhf_reload_path`), or in memory as packed
-buckets (components/weights.py) that are either a CUDA IPC handle of the sender's GPU buffer (no copy
-through the host) or the bucket's bytes (the CPU build, or a GPU this worker cannot see).
+buckets (components/weights.py) that are a CUDA IPC handle of the sender's GPU buffer (no copy through the
+host), a broadcast of a process group the worker joined with the actor's worker (`rlhf_join_group`:
+NCCL between GPUs, gloo on CPUs; components/weight_stream.py), or the bucket's bytes (the CPU build in
+the actor's own process).
 """
 
 from __future__ import annotations
@@ -14,19 +16,13 @@ import logging
 
 import torch
 
+from components.weight_channel import GroupReceiver, gpu_uuids, open_payload
 from components.weights import unpack_bucket
 
 
 def _quiet_layerwise():
     # With tied embeddings the LM head has nothing of its own to load; vLLM warns about it every time.
     return logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-
-
-def _device_index(uuid: str) -> int | None:
-    for index in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
-            return index
-    return None
 
 
 class WeightReceiver:
@@ -53,9 +49,17 @@ class WeightReceiver:
             layerwise.setLevel(level)
         self._rlhf_after_load()
 
-    def rlhf_can_open(self, uuid: str) -> bool:
-        """Whether this worker sees the GPU `uuid` (so a CUDA IPC handle of its memory can be opened here)."""
-        return torch.cuda.is_available() and _device_index(uuid) is not None
+    def rlhf_describe(self) -> dict:
+        """Where this worker's model computes and which GPUs it sees (a CUDA IPC handle of one opens here)."""
+        device = next(self.model_runner.get_model().parameters()).device
+        return {"device": device.type, "gpus": gpu_uuids() if device.type == "cuda" else []}
+
+    def rlhf_join_group(self, channel: dict, prefix: str, first_rank: int, world: int, backend: str,
+                        timeout_s: float) -> None:
+        """Join the actor's weights group `prefix` as rank first_rank + this worker's rank in the engine."""
+        if not hasattr(self, "_rlhf_groups"):
+            self._rlhf_groups = GroupReceiver()
+        self._rlhf_groups.join(channel, prefix, first_rank + int(getattr(self, "rank", 0)), world, backend, timeout_s)
 
     def rlhf_begin_load(self) -> str:
         """Prepare an in-memory load; returns the way it goes ('direct' or 'layerwise')."""
@@ -72,27 +76,16 @@ class WeightReceiver:
         """Give one packed bucket of checkpoint-named tensors to the model's weight loaders (each
         tensor-parallel rank takes its shard); returns how many tensors it held. The bucket is finished
         with on return (GPU copies done): the sender reuses its buffer next."""
-        if payload["kind"] == "cuda_ipc":
-            device = _device_index(payload["device_uuid"])
-            if device is None:
-                raise RuntimeError(f"GPU {payload['device_uuid']} is not visible in this vLLM worker")
-            share = list(payload["share"])
-            share[0] = device
-            with torch.cuda.device(device):
-                storage = torch.UntypedStorage._new_shared_cuda(*share)
-                received = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
-                received.set_(storage, payload["offset"], (payload["nbytes"],), (1,))
-                # Layerwise, a layer whose weights straddle two buckets keeps the first part until the rest
-                # arrives: our own copy, as the sender's buffer is refilled next. Direct loaders copy at once.
-                buffer = received if getattr(self, "_rlhf_direct", False) else received.clone()
-            del received, storage
-        elif payload["kind"] == "bytes":
-            buffer = torch.frombuffer(bytearray(payload["data"]), dtype=torch.uint8)
-        else:
-            raise ValueError(f"unknown weights payload kind {payload['kind']!r}")
-        self.model_runner.get_model().load_weights(weights=iter(unpack_bucket(specs, buffer)))
+        model = self.model_runner.get_model()
+        received, transient = open_payload(payload, getattr(self, "_rlhf_groups", None))
+        # Layerwise, a layer whose weights straddle two buckets keeps the first part until the rest arrives:
+        # our own copy of a buffer the next bucket overwrites (the sender's, or the group's). Direct loaders
+        # copy at once.
+        buffer = received.clone() if transient and not getattr(self, "_rlhf_direct", False) else received
+        model.load_weights(weights=iter(unpack_bucket(specs, buffer)))
         if buffer.is_cuda:
             torch.cuda.synchronize()
+        del received, buffer
         return len(specs)
 
     def rlhf_finish_load(self) -> None:

@@ -249,9 +249,12 @@ class TrainerConfig(Section):
     behind training when the rollout has GPUs of its own; needs trainer.execution=workers."""
     weight_sync: Literal["auto", "memory", "storage"] = "auto"
     """How the rollout engine gets the actor's new weights each step. memory: streamed from the actor's live
-    model (CUDA IPC buckets to vLLM on a GPU), with a stored copy written in the background only for
-    checkpoint steps and the last step; storage: a safetensors copy under weights/actor/<k> written and read
-    back every step (any process or host). auto: memory under trainer.execution=local, else storage."""
+    model in compute-dtype buckets: in its own process under execution=local; between workers from the actor's
+    worker to the rollout's, over CUDA IPC where the rollout sees the actor's GPU, else NCCL (gloo on CPUs;
+    the actor's host must be reachable at the address of weights/actor/channel.json, RLHF_WEIGHTS_ADDRESS
+    sets it); a stored copy is written in the background only for checkpoint steps and the last step.
+    storage: a safetensors copy under weights/actor/<k> written and read back every step (any process or host,
+    hosts that cannot reach each other). auto: memory."""
     worker_timeout_s: float = Field(15.0, gt=0)
     """A worker whose heartbeat is older than this is considered dead and its stage is resubmitted."""
     worker_wait_s: float = Field(300.0, gt=0)
@@ -317,10 +320,6 @@ class Config(Section):
         if self.trainer.one_step_ahead and self.trainer.execution != "workers":
             raise ValueError("trainer.one_step_ahead=true needs trainer.execution=workers (the rollout runs in its "
                              "own worker, beside training); got trainer.execution=local")
-        if self.trainer.weight_sync == "memory" and self.trainer.execution != "local":
-            raise ValueError("trainer.weight_sync=memory needs trainer.execution=local (the rollout engine in the "
-                             "actor's process); between worker processes weights go through storage: use "
-                             "trainer.weight_sync=auto or storage")
         if self.rollout.min_new_tokens > self.rollout.max_new_tokens:
             raise ValueError(f"rollout.min_new_tokens={self.rollout.min_new_tokens} must be <= "
                              f"rollout.max_new_tokens={self.rollout.max_new_tokens}")

@@ -25,6 +25,7 @@ from flows.runtime.residents import release_run
 from flows.runtime.system_metrics import start_system_metrics
 from flows.runtime.tasks import scoped
 from flows.runtime.tracking import Tracker, flow_run_tags, tracking_uri
+from flows.runtime.transport import transport_for
 from flows.runtime.worker import heartbeat_dir, read_heartbeats
 
 
@@ -46,6 +47,8 @@ class RunState:
     logged: dict[str, int] = field(default_factory=dict)  # metric -> last step MLflow holds (resumed run)
     history: list[dict[str, float]] = field(default_factory=list)
     ahead: dict[int, Pending] = field(default_factory=dict)  # step -> its rollout, started a step early
+    senders: list[tuple[str, Pending]] = field(default_factory=list)
+    """(sync, stage) of the actor's send_weights stages still running beside the stage they feed."""
 
     def run(self, stage, *args) -> dict[str, float]:
         """Run one stage and wait for it; return its metrics."""
@@ -81,6 +84,21 @@ class RunState:
             metrics = pending.handle.result(timeout=self.config.trainer.stage_timeout_s)["metrics"]
         record_stage_metrics(layout_for(self.config), pending.stage, pending.step, metrics)
         return metrics
+
+    def wait_senders(self) -> dict[str, float]:
+        """Wait for every weights sender the run started (before the actor's weights change again)."""
+        metrics: dict[str, float] = {}
+        while self.senders:
+            _sync, pending = self.senders.pop(0)
+            metrics |= self.wait(pending)
+        return metrics
+
+    def abandon_senders(self) -> None:
+        """The run ends: a sender still waiting for its stage's pull is told to stop (best effort)."""
+        transport = transport_for(self.config)
+        for sync, _pending in self.senders:
+            transport.abandon(sync)
+        self.senders.clear()
 
     def gpus(self) -> int:
         """GPUs the run computes on (verl's n_gpus in perf/throughput): the distinct GPUs of its workers'

@@ -12,6 +12,11 @@ actor's weights through a `Transport`. Batches are always Parquet files of the r
   the versions recovery and export read back: checkpoint steps, the last step (every step with
   `trainer.keep_weights=null`). A resumed run reloads the rollout from the checkpoint step's copy,
   bit for bit what the memory path had given it.
+- `StreamTransport` (`trainer.execution=workers`): the same, between the actor's worker and the rollout's
+  (components/weight_stream.py): the driver runs the actor's `send_weights` beside each rollout-role stage
+  that needs a new version (`streams`), and the two meet on the actor's channel (`weights/actor/channel.json`):
+  CUDA IPC where the rollout sees the actor's GPU, else NCCL (gloo on CPUs). A version that cannot be streamed
+  (the actor's worker was replaced) is read from its stored copy, or the stage fails saying to resume.
 """
 
 from __future__ import annotations
@@ -23,12 +28,19 @@ from typing import Any, Mapping, Protocol
 
 import pyarrow as pa
 
-from components.distributed import full_state_dict, is_writer
+from components.distributed import broadcast_call, full_state_dict, is_distributed, is_writer
 from components.precision import save_compute_copy
+from components.weight_channel import Channel, StreamError
+from components.weight_stream import RemoteWeights, WeightSender, WeightsUnavailable, abort
 from components.weights import InMemoryWeights, compute_tensors, copy_files, write_copy
 from flows.config import Config, layout_for
 from flows.runtime.recovery import prune_weights
-from storage import COMMITTED_MARKER, RunLayout, atomic_directory, read_stage, write_stage
+from storage import COMMITTED_MARKER, RunLayout, atomic_directory, read_stage, write_bytes_atomic, write_stage
+
+STORED_COPY_WAIT_S = 300.0
+"""How long a reader waits for a stored copy that another process is still writing in the background."""
+ACK_TIMEOUT_S = 120.0
+"""How long a sender waits for the rollout to take one bucket (a replaced receiver pulls again sooner)."""
 
 
 class Transport(Protocol):
@@ -41,8 +53,23 @@ class Transport(Protocol):
     def publish_weights(self, model, version: int, compute_dtype) -> str:
         """Hand on the actor's weights as policy `version` (a collective when the actor is sharded)."""
 
-    def sync_weights(self, engine, version: int) -> dict[str, float]:
-        """Give `engine` the newest published policy at or before `version`, unless it holds it already."""
+    def sync_weights(self, engine, version: int, sync: str | None = None) -> dict[str, float]:
+        """Give `engine` the newest published policy at or before `version`, unless it holds it already
+        (`sync`: the driver's name for this hand-over, when the actor's worker streams it: `streams`)."""
+
+    def streams(self, version: int) -> bool:
+        """Whether the actor's worker must send `version` (its `send_weights` stage) while the rollout syncs."""
+
+    def send_weights(self, model, version: int, compute_dtype, sync: str, holds: bool,
+                     finished=lambda: False) -> dict[str, float]:
+        """The actor's side of a streamed hand-over (every rank of a sharded actor calls it), until the
+        receiver is done or `finished()`."""
+
+    def abandon(self, sync: str) -> None:
+        """The driver gives a streamed hand-over up (its stage failed): a sender still waiting returns."""
+
+    def committed_copy(self, version: int, timeout_s: float) -> str:
+        """The stored copy of `version` once committed (written by this or another process); raises if none."""
 
     def withdraw_weights(self) -> None:
         """The actor's weights are about to change: what it published last can no longer be read from it."""
@@ -84,7 +111,27 @@ class StorageTransport:
     def flush(self) -> None:
         pass
 
-    def sync_weights(self, engine, version: int) -> dict[str, float]:
+    def streams(self, version: int) -> bool:
+        return False
+
+    def send_weights(self, model, version: int, compute_dtype, sync: str, holds: bool,
+                     finished=lambda: False) -> dict[str, float]:
+        return {}
+
+    def abandon(self, sync: str) -> None:
+        pass
+
+    def committed_copy(self, version: int, timeout_s: float = STORED_COPY_WAIT_S) -> str:
+        self.flush()  # this process's own copy, if it is still being written
+        folder = self.layout.weights_dir("actor", version)
+        deadline = time.monotonic() + timeout_s
+        while not self.layout.fs.exists(f"{folder}/{COMMITTED_MARKER}"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"policy version {version} has no stored copy under {folder}")
+            time.sleep(0.2)
+        return folder
+
+    def sync_weights(self, engine, version: int, sync: str | None = None) -> dict[str, float]:
         # The newest committed copy at or before `version` (a resumed run may hold newer ones already).
         for candidate in range(version, -1, -1):
             path = self.layout.weights_dir("actor", candidate)
@@ -105,9 +152,9 @@ class MemoryTransport(StorageTransport):
     """Weights in memory to a rollout engine of this process; copies on storage only for the versions
     `stored(version)` says recovery or export read back, written in the background (see the module)."""
 
-    def __init__(self, layout: RunLayout, keep_weights: int | None, stored):
+    def __init__(self, layout: RunLayout, keep_weights: int | None, stored, checkpoint_every: int = 1):
         super().__init__(layout, keep_weights)
-        self.stored = stored
+        self.stored, self.checkpoint_every = stored, checkpoint_every
 
     def publish_weights(self, model, version: int, compute_dtype) -> str:
         key = self.layout.run_dir
@@ -145,23 +192,115 @@ class MemoryTransport(StorageTransport):
         if pending is not None:
             pending[1].result()  # a failed snapshot or write raises here: in the checkpoint or export that needed it
 
-    def sync_weights(self, engine, version: int) -> dict[str, float]:
+    def sync_weights(self, engine, version: int, sync: str | None = None) -> dict[str, float]:
         published = _PUBLISHED.get(self.layout.run_dir)
         if published is None or published.version != version or not published.available:
-            # Not in this process's memory (a resumed run, the initial policy): the stored copy of exactly
-            # this version; an older one would be silently wrong.
-            folder = self.layout.weights_dir("actor", version)
-
-            def stored() -> bool:
-                return self.layout.fs.exists(f"{folder}/{COMMITTED_MARKER}")
-
-            if version > 0 and not stored():
-                self.flush()  # it may be this process's copy still being written
-                if not stored():
-                    raise RuntimeError(f"policy version {version} is neither in this process's memory nor stored "
-                                       f"under {folder}")
-            return super().sync_weights(engine, version)
+            return self._stored_exactly(engine, version)
         return _load_into(engine, published, version)
+
+    def _stored_exactly(self, engine, version: int, why: str = "it is not in this process's memory") -> dict:
+        """The stored copy of exactly `version` (a resumed run, a stream that failed; an older copy would be
+        silently wrong); the initial policy (version 0) is the engine's own or weights/actor/0."""
+        if version == 0:
+            return StorageTransport.sync_weights(self, engine, 0)
+        if engine.weights_version == version and not _needs_reload(engine):
+            return {}
+        try:
+            # a copy another process writes in the background is waited for only when one is due
+            folder = self.committed_copy(version, STORED_COPY_WAIT_S if self.stored(version) else 0.0)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"policy version {version} cannot reach the rollout: {why}, and it has no stored copy "
+                f"({error}; copies are kept for checkpoint steps, trainer.checkpoint_every="
+                f"{self.checkpoint_every}); `rlhf resume {self.layout.run_name}` restarts from the latest checkpoint"
+            ) from None
+        return _load_into(engine, folder, version)
+
+
+_SENDER: WeightSender | None = None
+"""This process's side of streamed hand-overs (the actor's worker, rank 0 hosts the channel)."""
+
+
+def _sender() -> WeightSender:
+    global _SENDER
+    if _SENDER is None:
+        _SENDER = WeightSender()
+    return _SENDER
+
+
+class StreamTransport(MemoryTransport):
+    """Weights streamed from the actor's worker to the rollout's (trainer.execution=workers; see the module);
+    stored copies as MemoryTransport's (a sharded actor writes them as StorageTransport does, in the stage)."""
+
+    def __init__(self, layout: RunLayout, keep_weights: int | None, stored, *, timeout_s: float,
+                 bucket_bytes: int, checkpoint_every: int = 1, connect_timeout_s: float = 300.0):
+        super().__init__(layout, keep_weights, stored, checkpoint_every=checkpoint_every)
+        self.timeout_s, self.bucket_bytes, self.connect_timeout_s = timeout_s, bucket_bytes, connect_timeout_s
+
+    @property
+    def channel_path(self) -> str:
+        return f"{self.layout.run_dir}/weights/actor/channel.json"
+
+    def streams(self, version: int) -> bool:
+        return version > 0
+
+    def publish_weights(self, model, version: int, compute_dtype) -> str:
+        if is_writer():  # the rollout's worker finds the actor's channel from its first publish on
+            self._write_channel(_sender().open())
+        if is_distributed():  # the copy of a sharded model is a collective: in the stage, and only when due
+            if self.stored(version):
+                return StorageTransport.publish_weights(self, model, version, compute_dtype)
+            return f"memory://{self.layout.weights_dir('actor', version)}"
+        return super().publish_weights(model, version, compute_dtype)
+
+    def send_weights(self, model, version: int, compute_dtype, sync: str, holds: bool,
+                     finished=lambda: False) -> dict[str, float]:
+        sender = _sender()
+        if is_writer():
+            self._write_channel(sender.open())
+        return sender.serve(
+            sync=sync, version=version, holds=holds, tensors=lambda: compute_tensors(model, compute_dtype),
+            device=next(model.parameters()).device, bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s,
+            ack_timeout_s=ACK_TIMEOUT_S, writer=is_writer(),
+            decide=broadcast_call if is_distributed() else (lambda plan: plan), finished=finished)
+
+    def _write_channel(self, channel: Channel) -> None:
+        if self._read_channel() != channel:
+            write_bytes_atomic(self.layout.fs, self.channel_path, channel.to_json().encode())
+
+    def _read_channel(self) -> Channel | None:
+        try:
+            return Channel.from_json(self.layout.fs.cat_file(self.channel_path).decode())
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def sync_weights(self, engine, version: int, sync: str | None = None) -> dict[str, float]:
+        if sync is None or not self.streams(version):
+            return self._stored_exactly(engine, version, why="no stream was arranged for it")
+        remote = RemoteWeights(self._read_channel, sync=sync, version=version, timeout_s=self.timeout_s,
+                               bucket_timeout_s=ACK_TIMEOUT_S, connect_timeout_s=self.connect_timeout_s)
+        try:
+            if engine.weights_version == version and not _needs_reload(engine):
+                return {}
+            started = time.perf_counter()
+            try:
+                engine.load_weights(remote)
+            except (WeightsUnavailable, StreamError, TimeoutError) as error:
+                print(f"policy version {version} was not streamed from the actor's worker ({error}); "
+                      "reading its stored copy", flush=True)
+                return {**self._stored_exactly(engine, version, why=str(error)), "weights/stream_fallback": 1.0}
+            engine.weights_version = version
+            return {"timing_s/weight_sync": time.perf_counter() - started}
+        finally:
+            remote.finish()
+
+    def abandon(self, sync: str) -> None:
+        abort(self._read_channel(), sync)
+
+
+def _needs_reload(engine) -> bool:
+    """A sleeping engine whose weights were streamed (not stored) lost them: they must come again."""
+    return bool(getattr(engine, "asleep", False)) and getattr(engine, "weights_path", "") is None
 
 
 def _load_into(engine, source, version: int) -> dict[str, float]:
@@ -175,12 +314,10 @@ def _load_into(engine, source, version: int) -> dict[str, float]:
 
 
 def weight_sync_mode(config: Config) -> str:
-    """'memory' or 'storage': how the rollout engine gets the actor's weights (trainer.weight_sync, with
-    auto resolved: memory when the rollout runs in the actor's process, trainer.execution=local)."""
+    """'memory' or 'storage': how the rollout engine gets the actor's weights (trainer.weight_sync; auto is
+    memory: in the actor's process under trainer.execution=local, streamed between workers otherwise)."""
     mode = config.trainer.weight_sync
-    if mode == "auto":
-        return "memory" if config.trainer.execution == "local" else "storage"
-    return mode
+    return "memory" if mode == "auto" else mode
 
 
 def stored_versions(config: Config):
@@ -196,8 +333,13 @@ def stored_versions(config: Config):
 
 
 def transport_for(config: Config) -> Transport:
-    """The run's transport: weights in memory or through storage (weight_sync_mode); batches on storage."""
-    layout = layout_for(config)
-    if weight_sync_mode(config) == "memory":
-        return MemoryTransport(layout, config.trainer.keep_weights, stored_versions(config))
-    return StorageTransport(layout, config.trainer.keep_weights)
+    """The run's transport: weights in memory (in process or streamed between workers) or through storage
+    (weight_sync_mode); batches on storage."""
+    layout, trainer = layout_for(config), config.trainer
+    if weight_sync_mode(config) == "storage":
+        return StorageTransport(layout, trainer.keep_weights)
+    if trainer.execution == "local":
+        return MemoryTransport(layout, trainer.keep_weights, stored_versions(config), trainer.checkpoint_every)
+    return StreamTransport(layout, trainer.keep_weights, stored_versions(config), timeout_s=trainer.stage_timeout_s,
+                           bucket_bytes=config.rollout.update_weights_bucket_megabytes * 2**20,
+                           checkpoint_every=trainer.checkpoint_every, connect_timeout_s=trainer.worker_wait_s)

@@ -263,7 +263,8 @@ def collect_report(config=None, env: Mapping[str, str] | None = None) -> dict:
     }
     if config is not None:
         report["rollout"] = rollout_engine_report(config, report["placement"], bool(inventory.gpus))
-        report["weight_sync"] = weight_sync_report(config, report["rollout"]["engine"], report["rollout"]["detail"])
+        report["weight_sync"] = weight_sync_report(config, report["rollout"]["engine"], report["rollout"]["detail"],
+                                                   report["placement"].get("assignments") or {})
     report["failed"] = report_failed(report)
     return report
 
@@ -291,15 +292,28 @@ def rollout_engine_report(config, placement: dict, has_gpus: bool) -> dict:
                                         f"{engine_tensor_parallel(config, gpus)}, {residency}"}
 
 
-def weight_sync_report(config, engine: str, engine_detail: str) -> dict:
+def _between_workers(config, assignments: dict) -> str:
+    """How a streamed version goes from the actor's worker to the rollout's, by their placement."""
+    bucket = f"in buckets of {config.rollout.update_weights_bucket_megabytes} MiB"
+    actor, rollout = assignments.get("actor", "cpu"), assignments.get("rollout", "cpu")
+    if actor == "cpu" or rollout == "cpu":
+        return f"over a gloo group (CPU) from the actor's worker to the rollout's, {bucket}"
+    if actor[0] in rollout:
+        return (f"over CUDA IPC from the actor's worker to the rollout's (both see GPU {actor[0]}: no copy through "
+                f"the host), {bucket}")
+    return f"over NCCL from the actor's worker (GPU {actor[0]}) to the rollout's (GPUs {rollout}), {bucket}"
+
+
+def weight_sync_report(config, engine: str, engine_detail: str, assignments: dict | None = None) -> dict:
     """How the rollout engine gets each step's weights (trainer.weight_sync resolved) and what is stored."""
     trainer = config.trainer
     if weight_sync_mode(config) == "storage":
-        why = ("trainer.weight_sync=storage" if trainer.weight_sync == "storage"
-               else "the rollout runs in a worker of its own")
-        return {"mode": "storage", "detail": f"through storage ({why}): the actor writes weights/actor/<step> "
-                                             "every step and the rollout reads it back"}
-    if engine == "hf":
+        return {"mode": "storage", "detail": "through storage (trainer.weight_sync=storage): the actor writes "
+                                             "weights/actor/<step> every step and the rollout reads it back"}
+    if trainer.execution == "workers":
+        how = (f"{_between_workers(config, assignments or {})}; workers on other hosts: NCCL to the actor host's "
+               "address (RLHF_WEIGHTS_ADDRESS), or trainer.weight_sync=storage where hosts cannot reach each other")
+    elif engine == "hf":
         how = "tensor by tensor into the transformers engine"
     elif "GPU" in engine_detail:
         how = (f"over CUDA IPC to vLLM's workers, in buckets of {config.rollout.update_weights_bucket_megabytes} "

@@ -98,17 +98,18 @@ def _per_token(table, column: str, length: int) -> torch.Tensor:
     return values
 
 
-def sync_rollout_weights(config: Config, step: int) -> dict[str, float]:
-    """Give the rollout engine the actor's weights published for `step`, if it holds older ones."""
-    return transport_for(config).sync_weights(get_role(config, "rollout"), step)
+def sync_rollout_weights(config: Config, step: int, sync: str | None = None) -> dict[str, float]:
+    """Give the rollout engine the actor's weights published for `step`, if it holds older ones (`sync`: the
+    hand-over the driver arranged with the actor's worker, when weights are streamed between workers)."""
+    return transport_for(config).sync_weights(get_role(config, "rollout"), step, sync)
 
 
 @stage(role="rollout", output="rollout", skippable=True)
-def rollout(config: Config, step: int, weights_step: int | None = None) -> StageResult:
+def rollout(config: Config, step: int, weights_step: int | None = None, sync: str | None = None) -> StageResult:
     """Sample `rollout.n` responses for each of the step's prompts, with the policy published for
     `weights_step` (default: `step`; one step earlier under trainer.one_step_ahead)."""
     policy_step = step if weights_step is None else weights_step
-    metrics = sync_rollout_weights(config, policy_step)
+    metrics = sync_rollout_weights(config, policy_step, sync)
     # How many updates behind the policy being trained this rollout's policy is (0: on-policy).
     metrics["rollout/policy_lag"] = float(step - (get_role(config, "rollout").weights_version or 0))
     records = get_role(config, "train_prompts")
@@ -302,6 +303,20 @@ def update_actor(config: Config, step: int) -> StageResult:
     return {"path": path, "metrics": metrics}
 
 
+@stage(role="actor")
+def send_weights(config: Config, step: int, sync: str, for_stage: str, for_step: int) -> StageResult:
+    """Stream policy `step` (the actor after `step` updates) to the rollout's worker, for the stage `for_stage`
+    at `for_step` that the driver started beside this one (weights in memory between workers:
+    flows/runtime/transport.py). Ends when that stage has what it needs (or has committed its output). A
+    replaced actor that holds another version says so, and the rollout reads the stored copy."""
+    actor = get_role(config, "actor")
+    output = layout_for(config).stage_path(for_step, STAGES[for_stage].output)
+    fs = layout_for(config).fs
+    metrics = transport_for(config).send_weights(actor.model, step, resolve_dtype(config.model.compute_dtype), sync,
+                                                 holds=actor.state_step == step, finished=lambda: fs.exists(output))
+    return {"metrics": metrics}
+
+
 @stage(role="critic")
 def update_critic(config: Config, step: int) -> StageResult:
     """Clipped value regression of the critic on this step's returns."""
@@ -342,9 +357,9 @@ def evaluate(config: Config, engine, records) -> tuple[dict, dict[str, float]]:
 
 
 @stage(role="rollout", output="validation", skippable=True, per_sample=False)
-def validate(config: Config, step: int) -> StageResult:
+def validate(config: Config, step: int, sync: str | None = None) -> StageResult:
     """Validation reward of the policy as it is at the start of `step`."""
-    metrics = sync_rollout_weights(config, step)
+    metrics = sync_rollout_weights(config, step, sync)
     with timed(metrics, "testing"):
         records = get_role(config, "val_prompts")
         try:

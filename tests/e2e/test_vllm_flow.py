@@ -90,7 +90,8 @@ def test_a_vllm_rollout_worker_imports_vllm_before_its_first_stage(prefect_api, 
                          # the actor's worker prepares its model from the warm-start's output: after it
                          warm_start={"steps": 3, "batch_size": 8},
                          placement={"default": "cpu"},
-                         trainer={"total_steps": 2, "val_every": 0, "device": "cpu", "execution": "workers"})
+                         trainer={"total_steps": 3, "val_every": 0, "device": "cpu", "execution": "workers",
+                                  "checkpoint_every": 0})
     log = Path(".rlhf/logs", config.run.name, "worker-rollout.log")  # appended to: start empty
     log.unlink(missing_ok=True)
     storage = worker_environment(prefect_api, config.run.storage_root, "", config.run.name)["PREFECT_LOCAL_STORAGE_PATH"]
@@ -103,4 +104,12 @@ def test_a_vllm_rollout_worker_imports_vllm_before_its_first_stage(prefect_api, 
     client = MlflowClient(config.tracking.tracking_uri)
     run = client.search_runs([client.get_experiment_by_name("e2e-vllm-workers").experiment_id])[0]
     diffs = [m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff_mean")]
-    assert len(diffs) == 2 and all(value < 0.02 for value in diffs), diffs
+    assert len(diffs) == 3 and all(value < 0.02 for value in diffs), diffs
+    # Versions 1 and 2 came from the actor's worker over a gloo group into vLLM's worker (no stored copy
+    # exists of them: checkpoint_every=0 stores only the last), and the engine held each when it sampled.
+    layout = RunLayout(config.run.storage_root, config.run.name)
+    assert layout.step_folders(f"{layout.run_dir}/weights/actor") == [0, 3]  # the warm-start's output, the last
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "rollout/policy_lag")] == [0.0, 0.0, 0.0]
+    # 0: the warm-start's output read from storage at the first validation; 2, 3: versions 1 and 2, streamed
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "timing_s/weight_sync")] == [0, 2, 3]
+    assert "weights/stream_fallback" not in run.data.metrics

@@ -49,7 +49,10 @@ def _train_with_workers(config, prefect_api, during=None):
 
 def test_each_stage_runs_in_its_role_worker_which_loads_its_model_once(prefect_api, tmp_path, tiny_inputs,
                                                                         _config):
+    """Also: the rollout's worker gets each policy streamed from the actor's worker (trainer.weight_sync=auto):
+    with a checkpoint every 2 steps, version 1 is never stored, yet validation and the rollout of step 1 use it."""
     config = _config(tmp_path, tiny_inputs, "workers")
+    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"checkpoint_every": 2})})
     state, beats, pool = _train_with_workers(config, prefect_api)
     assert state.is_completed(), state
     by_role = {beat["role"]: beat for beat in beats}
@@ -65,6 +68,19 @@ def test_each_stage_runs_in_its_role_worker_which_loads_its_model_once(prefect_a
     assert sorted(step for stage, step in by_role["rollout"]["finished"] if stage == "rollout") == [0, 1]
     assert sorted(step for stage, step in by_role["actor"]["finished"] if stage == "update_actor") == [0, 1]
     assert all(restarts == 0 for restarts in pool.restarts.values())
+    # Versions 1 (validation at 1, then the rollout of step 1, which holds it already) and 2 (the last validation)
+    # were sent; version 0 is the engine's own. Only the last version is stored (the export reads it).
+    assert sorted(step for stage, step in by_role["actor"]["finished"] if stage == "send_weights") == [1, 1, 2]
+    layout = RunLayout(config.run.storage_root, config.run.name)
+    assert layout.step_folders(f"{layout.run_dir}/weights/actor") == [2]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(config.tracking.tracking_uri)
+    run = client.search_runs([client.get_experiment_by_name("workers").experiment_id],
+                             "tags.`rlhf.run_name` = 'workers'")[0]
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "timing_s/weight_sync")} == {1, 2}
+    assert client.get_metric_history(run.info.run_id, "rollout/policy_lag")[-1].value == 0.0
+    assert "weights/stream_fallback" not in run.data.metrics
 
 
 def test_a_worker_killed_mid_stage_is_replaced_and_no_sample_is_lost(prefect_api, tmp_path, tiny_inputs,

@@ -150,10 +150,6 @@ CONFIG_CASES = {
     "one step ahead in one process": (["trainer.one_step_ahead=true"],
                                       "trainer.one_step_ahead=true needs trainer.execution=workers (the rollout runs "
                                       "in its own worker, beside training); got trainer.execution=local"),
-    "memory weight sync between workers": (["trainer.weight_sync=memory", "trainer.execution=workers"],
-                                           "trainer.weight_sync=memory needs trainer.execution=local (the rollout "
-                                           "engine in the actor's process); between worker processes weights go "
-                                           "through storage: use trainer.weight_sync=auto or storage"),
     "min_new_tokens above max_new_tokens": (["rollout.min_new_tokens=5"],
                                             "rollout.min_new_tokens=5 must be <= rollout.max_new_tokens=4"),
     "several hf engines": (["rollout.engines=2"],

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from components.weights import InMemoryWeights
-from flows.config import ConfigError, build_config
-from flows.runtime.transport import MemoryTransport, StorageTransport, transport_for, weight_sync_mode
+from flows.config import build_config
+from flows.runtime.transport import MemoryTransport, StorageTransport, StreamTransport, transport_for, weight_sync_mode
 from storage import RunLayout, StorageFileError
 
 
@@ -43,15 +43,16 @@ def test_the_runs_transport_is_under_its_folder_with_its_weight_budget_and_sync_
         return build_config({"run": {"name": "r", "storage_root": str(tmp_path)},
                              "trainer": {"keep_weights": 4, **trainer}})
 
-    transport = transport_for(config(execution="workers"))
-    assert type(transport) is StorageTransport and transport.keep_weights == 4
-    assert transport.layout.run_dir == str(tmp_path / "r")
+    workers = transport_for(config(execution="workers"))  # auto: streamed from the actor's worker
+    assert type(workers) is StreamTransport and workers.keep_weights == 4 and weight_sync_mode(config()) == "memory"
+    assert workers.layout.run_dir == str(tmp_path / "r") and [workers.streams(v) for v in (0, 1)] == [False, True]
+    assert workers.timeout_s == 3600 and workers.connect_timeout_s == 300 and workers.bucket_bytes == 512 * 2**20
     local = transport_for(config())  # auto: the rollout engine is in the actor's process
-    assert type(local) is MemoryTransport and weight_sync_mode(config()) == "memory"
+    assert type(local) is MemoryTransport and not local.streams(1)
     assert local.keep_weights == 4 and [local.stored(v) for v in (1, 2)] == [True, True]  # checkpoint_every=1
     assert type(transport_for(config(weight_sync="storage"))) is StorageTransport
-    with pytest.raises(ConfigError, match="trainer.weight_sync=memory needs trainer.execution=local"):
-        config(weight_sync="memory", execution="workers")
+    assert type(transport_for(config(weight_sync="storage", execution="workers"))) is StorageTransport
+    assert type(transport_for(config(weight_sync="memory", execution="workers"))) is StreamTransport
 
 
 class _Engine:
@@ -176,7 +177,8 @@ def test_memory_sync_reads_only_exactly_the_stored_version_once_the_model_moved_
     transport.sync_weights(engine, 3)
     assert engine.loaded == [str(tmp_path / "r" / "weights" / "actor" / "3")] and engine.weights_version == 3
     # Version 2 was never stored: an older copy would be the wrong policy, so it says so.
-    with pytest.raises(RuntimeError, match="policy version 2 is neither in this process's memory nor stored"):
+    with pytest.raises(RuntimeError, match="policy version 2 cannot reach the rollout: it is not in this process's "
+                                           "memory, and it has no stored copy"):
         transport.sync_weights(_Receiver(), 2)
     assert transport.sync_weights(_Receiver(), 0) == {}  # the initial policy: the engine has it
 
@@ -206,3 +208,74 @@ def test_memory_sync_reads_the_stored_copy_once_the_published_model_is_gone(tmp_
     engine = _Receiver()
     assert transport.sync_weights(engine, 1).keys() == {"timing_s/weight_sync"}
     assert engine.loaded == [str(tmp_path / "r" / "weights" / "actor" / "1")] and engine.weights_version == 1
+
+
+def _streaming(tmp_path, **trainer):
+    config = build_config({"run": {"name": "r", "storage_root": str(tmp_path)},
+                           "trainer": {"execution": "workers", "total_steps": 9, "checkpoint_every": 3, **trainer}})
+    transport = transport_for(config)
+    transport.connect_timeout_s = 10.0
+    return transport
+
+
+def _send_in_background(transport, model, version, sync, holds=True):
+    """The actor's worker: send_weights on a thread of this process (the receiver joins its group as rank 1)."""
+    import threading
+
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(transport.send_weights(
+        model, version, torch.float32, sync, holds=holds)), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def _engine_of(model):
+    import copy
+
+    from components.rollout import HFRolloutEngine
+
+    engine = HFRolloutEngine(copy.deepcopy(model), tokenizer=None)
+    with torch.no_grad():
+        for parameter in engine.model.parameters():
+            parameter.zero_()
+    return engine
+
+
+def test_streamed_sync_gives_the_engine_the_actors_live_weights_and_ends_the_sender(tmp_path, tiny_model):
+    transport = _streaming(tmp_path)
+    transport.publish_weights(tiny_model, 2, torch.float32)  # not a checkpoint step: nothing stored
+    assert (tmp_path / "r" / "weights" / "actor" / "channel.json").exists()
+    engine = _engine_of(tiny_model)
+    thread, sent = _send_in_background(transport, tiny_model, 2, "rollout-2-x")
+    metrics = transport.sync_weights(engine, 2, "rollout-2-x")
+    thread.join(timeout=30)
+    assert not thread.is_alive() and sent["weights/streams"] == 1.0
+    assert metrics.keys() == {"timing_s/weight_sync"} and engine.weights_version == 2
+    original = tiny_model.state_dict()
+    assert all(torch.equal(tensor, original[name]) for name, tensor in engine.model.state_dict().items())
+    assert not (tmp_path / "r" / "weights" / "actor" / "2").exists()
+    # Held already: no stream, and the sender of this sync still ends (the receiver's word).
+    thread, sent = _send_in_background(transport, tiny_model, 2, "validate-2-y")
+    assert transport.sync_weights(engine, 2, "validate-2-y") == {}
+    thread.join(timeout=30)
+    assert not thread.is_alive() and sent["weights/streams"] == 0.0
+
+
+def test_streamed_sync_reads_the_stored_copy_of_exactly_the_version_when_the_actor_holds_another(tmp_path, tiny_model):
+    transport = _streaming(tmp_path)
+    StorageTransport(transport.layout).publish_weights(tiny_model, 3, torch.float32)  # checkpoint step 3's copy
+    engine = _engine_of(tiny_model)
+    thread, sent = _send_in_background(transport, tiny_model, 3, "rollout-3-x", holds=False)  # a replaced actor
+    metrics = transport.sync_weights(engine, 3, "rollout-3-x")
+    thread.join(timeout=30)
+    assert metrics["weights/stream_fallback"] == 1.0 and engine.weights_version == 3 and sent["weights/streams"] == 0
+    original = tiny_model.state_dict()
+    assert all(torch.equal(tensor, original[name]) for name, tensor in engine.model.state_dict().items())
+    # Version 4 was never stored: the stage fails with what to do.
+    thread, _ = _send_in_background(transport, tiny_model, 4, "rollout-4-x", holds=False)
+    with pytest.raises(RuntimeError, match=r"policy version 4 cannot reach the rollout: the actor's worker holds "
+                                           r"policy version None, not 4, and it has no stored copy .*"
+                                           r"trainer.checkpoint_every=3\); `rlhf resume r` restarts"):
+        transport.sync_weights(_engine_of(tiny_model), 4, "rollout-4-x")
+    thread.join(timeout=30)
+    assert not thread.is_alive()

@@ -268,8 +268,18 @@ def test_doctor_says_how_weights_reach_the_rollout(machine, tiny_model, shaped_m
     stored = doctor.collect_report(build_config(None, overrides(machine, tiny_model) + [
         "rollout.engine=hf", "trainer.weight_sync=storage"]))["weight_sync"]
     assert stored["mode"] == "storage" and stored["detail"].startswith("through storage (trainer.weight_sync=storage)")
-    workers = doctor.collect_report(gpu_4x(machine, shaped_models))["weight_sync"]
-    assert workers["mode"] == "storage" and "the rollout runs in a worker of its own" in workers["detail"]
+    # The reference 4-GPU layout: the rollout beside the actor's rank 0 on GPU 0, in workers of their own.
+    workers = doctor.weight_sync_report(gpu_4x(machine, shaped_models), "vllm", "on GPU [0]",
+                                        {"actor": [0, 1], "rollout": [0], "critic": [2]})
+    assert workers["mode"] == "memory" and workers["detail"].startswith(
+        "in memory from the actor's live model, over CUDA IPC from the actor's worker to the rollout's (both see "
+        "GPU 0: no copy through the host), in buckets of 512 MiB; workers on other hosts: NCCL")
+    apart = doctor.weight_sync_report(gpu_4x(machine, shaped_models), "vllm", "on GPU [2, 3]",
+                                      {"actor": [0, 1], "rollout": [2, 3]})
+    assert "over NCCL from the actor's worker (GPU 0) to the rollout's (GPUs [2, 3])" in apart["detail"]
+    on_cpu = doctor.collect_report(build_config(None, overrides(machine, tiny_model) + [
+        "rollout.engine=hf", "trainer.execution=workers", "placement.default=cpu"]))["weight_sync"]
+    assert "over a gloo group (CPU) from the actor's worker to the rollout's" in on_cpu["detail"]
     gpu = doctor.weight_sync_report(build_config(None, ["rollout.update_weights_bucket_megabytes=256"]), "vllm",
                                     "vllm 0.32.0 on GPU [0], tensor parallel 1, sleeps between generations")
     assert "over CUDA IPC to vLLM's workers, in buckets of 256 MiB" in gpu["detail"]

@@ -1,0 +1,390 @@
+"""Weights between processes: the actor's worker streams a policy version to the rollout's worker in the
+compute-dtype buckets of components/weights.py, with no copy on storage on the way (trainer.execution=workers).
+
+Rendezvous. The sender (the actor's rank 0) hosts a TCPStore and says where it listens in a small JSON
+`Channel` (address, port, a random token, its pid) that the transport writes to the run folder. The rest is
+keys of that store, as JSON (nothing is unpickled):
+
+- a queue of messages `req/<n>` (n from the store's counter `requests`): a receiver's pull
+  {"kind": "pull", "sync", "version", "session", "device", "gpus", "loaders"}; {"kind": "done", "sync"} once
+  the receiver of a sync has what it needs; {"kind": "abort", "sync"} when the driver gives the sync up.
+  Every message carries the channel's token; the sender ignores one without it.
+- the sender's answer to a pull, `reply/<n>`: {"status": "stream", "method", ...} or
+  {"status": "unavailable", "holds": version or null} (its actor holds another version);
+- bucket b of pull n: `<n>/bucket/<b>` = {"specs", "payload"} (for method collective the bytes follow as a
+  broadcast from the sender to the loaders), the receiver's ack `<n>/ack/<b>`, and {"end": true} last.
+
+Methods. `cuda_ipc`: every process that loads (vLLM's workers, or the transformers engine) sees the sender's
+GPU: a bucket is a CUDA IPC handle of the sender's buffer, no copy through the host (the actor and the
+rollout on one GPU). `collective`: a process group of the sender (rank 0) and the loaders (ranks 1..L) made
+over the same store, NCCL when both sides compute on GPUs (other GPUs of the host, or other hosts that reach
+the sender's address), gloo otherwise (CPUs: the CPU build in CI); made once per receiving engine and kept.
+
+A sharded actor: every rank calls `WeightSender.serve`; rank 0 talks to the store and hands each decision
+to the others (`decide`), so that all ranks gather the same parameters, one at a time, in the same order.
+
+Failures. A receiver that goes silent mid-stream is given up after `ack_timeout_s`, or as soon as a newer
+pull arrives (its replacement); a sender that dies makes the receiver's store calls fail, and the receiver
+falls back to the stored copy (flows/runtime/transport.py). The store's port, like NCCL's, is for a trusted
+network: the token keeps stray clients out of the protocol, not an attacker who can read the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+import uuid
+from dataclasses import asdict
+from typing import Callable, Iterator, Protocol
+
+import torch
+
+from components.weight_channel import (COLLECTIVE_KIND, IPC_KIND, Channel, StreamError, broadcast, connect,
+                                       default_address, encode_share, ipc_payload, make_group, seconds)
+from components.weights import pack_buckets
+
+
+class WeightsUnavailable(RuntimeError):
+    """The sender's actor does not hold the version asked for (a replaced worker, a failed update)."""
+
+
+def _poll(store, key: str, deadline: float, check: Callable[[], None] | None = None) -> bytes:
+    """The value of `key` once it is set: polled with a growing pause (1 ms to 50 ms), so that a bucket's
+    ack costs about a round trip, without the store's timeout warnings. `check` runs between polls and may
+    raise; TimeoutError at `deadline`; StreamError when the store is gone."""
+    pause = 0.001
+    while True:
+        try:
+            if store.check([key]):
+                return store.get(key)
+        except RuntimeError as error:  # DistNetworkError: the store's process is gone
+            raise StreamError(f"the weights channel closed while waiting for {key!r}: {error}") from error
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {key!r} on the weights channel in time")
+        if check is not None:
+            check()
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.05)
+
+
+class Loader(Protocol):
+    """What a rollout engine offers to receive a streamed policy (VLLMRolloutEngine, HFRolloutEngine)."""
+
+    weight_session: str
+    """Names this engine to the sender (a collective group is made once per session)."""
+
+    def describe_loaders(self) -> dict:
+        """{"device": "cuda" | "cpu", "gpus": GPU uuids every loading process sees, "loaders": how many}."""
+
+    def join_weight_group(self, channel: dict, prefix: str, first_rank: int, world: int, backend: str,
+                          timeout_s: float) -> None:
+        """Every loading process joins group `prefix` (ranks first_rank.., of `world`)."""
+
+    def begin_load(self) -> None: ...
+
+    def load_bucket(self, specs: list, payload: dict) -> None:
+        """Load one bucket; done with it on return (the sender refills its buffer next)."""
+
+    def finish_load(self) -> None: ...
+
+
+def _choose_method(pull: dict, device: torch.device) -> tuple[str, str | None]:
+    """(method, collective backend) for a pull: CUDA IPC when every loader sees the sender's GPU."""
+    if device.type == "cuda":
+        sender_gpu = str(torch.cuda.get_device_properties(device).uuid)
+        if pull.get("device") == "cuda" and sender_gpu in pull.get("gpus", []):
+            return IPC_KIND, None
+        if pull.get("device") == "cuda":
+            return COLLECTIVE_KIND, "nccl"
+    return COLLECTIVE_KIND, "gloo"
+
+
+class WeightSender:
+    """The actor's side: hosts the channel (rank 0) and answers pulls with its live weights (`serve`)."""
+
+    def __init__(self, address: str | None = None):
+        self.address = address
+        self.store = None
+        self.channel: Channel | None = None
+        self.next_message = 1
+        self.groups: dict[str, tuple[str, object, str]] = {}  # session -> (prefix, group, backend)
+        self._made = 0
+
+    def open(self) -> Channel:
+        """Start the channel's store (once per process); returns where it listens."""
+        if self.channel is None:
+            self.store = torch.distributed.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                                                    timeout=seconds(60))
+            self.channel = Channel(host=socket.gethostname(), address=self.address or default_address(),
+                                   port=int(self.store.port), token=secrets.token_hex(16), pid=os.getpid())
+        return self.channel
+
+    def close(self) -> None:
+        self.groups.clear()
+        self.store, self.channel = None, None
+
+    def serve(self, *, sync: str, version: int, holds: bool, tensors: Callable[[], Iterator], device: torch.device,
+              bucket_bytes: int, timeout_s: float, ack_timeout_s: float, writer: bool = True,
+              decide: Callable[[dict | None], dict] = lambda plan: plan,
+              finished: Callable[[], bool] = lambda: False) -> dict[str, float]:
+        """Answer pulls of policy `version` (which this process's actor `holds`, or not) until the receiver of
+        `sync` says it is done, the driver aborts it, `finished()` (checked every second: the stage the sync
+        fed has committed its output, should its word have been lost) or `timeout_s` passes. Every rank of a
+        sharded actor calls this; `writer` (rank 0) talks to the store, `decide` hands its decisions to the
+        other ranks, and `tensors()` (a collective on a sharded model) is iterated by every rank per stream."""
+        deadline = time.monotonic() + timeout_s
+        metrics = {"weights/streams": 0.0, "timing_s/send_weights": 0.0}
+        while True:
+            plan = decide(self._next_pull(sync, version, holds, device, deadline, finished) if writer else None)
+            if plan["do"] == "stop":
+                if plan.get("why") == "timeout":
+                    metrics["weights/send_timeout"] = 1.0
+                return metrics
+            started = time.perf_counter()
+            if writer:
+                self._stream(plan, tensors(), device, bucket_bytes, ack_timeout_s)
+            else:
+                for _ in tensors():  # gather in lockstep with rank 0
+                    pass
+            metrics["timing_s/send_weights"] += time.perf_counter() - started
+            metrics["weights/streams"] += 1
+
+    # -- rank 0 ------------------------------------------------------------------------------
+
+    def _message(self, deadline: float, finished: Callable[[], bool]) -> tuple[int, dict] | None:
+        """The next message of the queue with the channel's token (None at the deadline or once `finished()`).
+        A number taken from the counter whose message never came (its sender died in between) is skipped
+        after a few seconds."""
+        while True:
+            number, waited_since = self.next_message, time.monotonic()
+            checked = [waited_since]
+
+            def check() -> None:
+                now = time.monotonic()
+                if now - checked[0] >= 1.0:
+                    checked[0] = now
+                    if finished():
+                        raise _Finished()
+                    if now - waited_since > 5 and int(self.store.add("requests", 0)) > number:
+                        raise _Skip()
+
+            try:
+                raw = _poll(self.store, f"req/{number}", deadline, check)
+            except (TimeoutError, _Finished):
+                return None
+            except _Skip:
+                self.next_message += 1
+                continue
+            self.next_message += 1
+            message = json.loads(raw)
+            if message.get("token") == self.channel.token:
+                return number, message
+
+    def _next_pull(self, sync: str, version: int, holds: bool, device: torch.device, deadline: float,
+                   finished: Callable[[], bool]) -> dict:
+        """Read messages until a pull to stream ({"do": "stream"}) or the end of this sync ({"do": "stop"}).
+        A pull of another sync for the same version is served too (a retried stage's), one of another version
+        is answered `unavailable`."""
+        while True:
+            got = self._message(deadline, finished)
+            if got is None:
+                return {"do": "stop", "why": "timeout" if time.monotonic() > deadline else "finished"}
+            number, message = got
+            kind = message.get("kind")
+            if kind in ("done", "abort"):
+                if message.get("sync") == sync:
+                    return {"do": "stop", "why": kind}
+                continue
+            if kind != "pull":
+                continue
+            if int(message.get("version", -1)) != version or not holds:
+                self._reply(number, {"status": "unavailable", "holds": version if holds else None})
+                continue
+            method, backend = _choose_method(message, device)
+            reply = {"status": "stream", "method": method}
+            if method == COLLECTIVE_KIND:
+                session = str(message.get("session"))
+                known = self.groups.get(session)
+                if known is None or known[2] != backend:
+                    self._made += 1
+                    known = (f"rlhf-weights/{session}/{self._made}", None, backend)
+                    self.groups[session] = known
+                reply.update(group=known[0], backend=backend, world=1 + int(message.get("loaders", 1)),
+                             join=known[1] is None, channel=asdict(self.channel))
+            self._reply(number, reply)
+            return {"do": "stream", "number": number, "pull": message, **reply}
+
+    def _reply(self, number: int, reply: dict) -> None:
+        self.store.set(f"reply/{number}", json.dumps(reply))
+
+    def _group(self, plan: dict, timeout_s: float):
+        session = str(plan["pull"].get("session"))
+        prefix, group, backend = self.groups[session]
+        if group is None:
+            try:
+                group = make_group(self.channel, prefix, 0, plan["world"], backend, timeout_s, store=self.store)
+            except RuntimeError as error:
+                self.groups.pop(session, None)
+                raise StreamError(f"the rollout's loaders did not join weights group {prefix}: {error}") from error
+            self.groups[session] = (prefix, group, backend)
+        return group
+
+    def _stream(self, plan: dict, tensors: Iterator, device: torch.device, bucket_bytes: int,
+                ack_timeout_s: float) -> None:
+        """Send every bucket of one pull. On a broken stream the rest is still iterated (the other ranks of a
+        sharded actor gather in lockstep) but not sent; the receiver sees no `end` and falls back."""
+        number, count, failed = plan["number"], 0, None
+        try:
+            group = self._group(plan, ack_timeout_s) if plan["method"] == COLLECTIVE_KIND else None
+        except StreamError as error:
+            group, failed = None, error
+        for bucket in pack_buckets(tensors, bucket_bytes):
+            if failed is not None:
+                continue
+            try:
+                self._send(number, count, bucket, plan, group, ack_timeout_s)
+                count += 1
+            except (StreamError, TimeoutError, RuntimeError) as error:
+                failed = error
+                if group is not None:  # a collective that failed leaves its group unusable
+                    self.groups.pop(str(plan["pull"].get("session")), None)
+        if failed is None:
+            self.store.set(f"{number}/bucket/{count}", json.dumps({"end": True, "count": count}))
+            return
+        print(f"weights stream {number} of sync {plan['pull'].get('sync')} broke after {count} bucket(s): {failed}",
+              flush=True)
+        try:  # a receiver still listening learns it at once
+            self.store.set(f"{number}/bucket/{count}", json.dumps({"broken": str(failed)}))
+        except RuntimeError:
+            pass
+
+    def _send(self, number: int, index: int, bucket, plan: dict, group, ack_timeout_s: float) -> None:
+        if plan["method"] == IPC_KIND:
+            payload = ipc_payload(bucket.buffer, bucket.nbytes)
+            payload["share"] = encode_share(tuple(payload["share"]))
+        else:
+            payload = {"kind": COLLECTIVE_KIND, "group": plan["group"], "backend": plan["backend"],
+                       "nbytes": bucket.nbytes, "capacity": bucket.buffer.numel()}
+        self.store.set(f"{number}/bucket/{index}", json.dumps({"specs": bucket.specs, "payload": payload}))
+        if group is not None:
+            data = bucket.buffer[:bucket.nbytes]
+            if plan["backend"] == "gloo" and data.is_cuda:
+                data = data.cpu()
+            broadcast(group, data)
+
+        def replaced() -> None:  # a newer message: the receiver's replacement (a resubmitted stage) pulls again
+            if self.store.check([f"req/{self.next_message}"]):
+                raise StreamError("a newer message arrived while waiting for an ack")
+
+        _poll(self.store, f"{number}/ack/{index}", time.monotonic() + ack_timeout_s, replaced)
+
+
+class _Skip(Exception):
+    pass
+
+
+class _Finished(Exception):
+    pass
+
+
+class RemoteWeights:
+    """Policy `version`, held by the actor's worker and pulled through its channel: a source for an engine's
+    `load_weights` (`receive_into`), then `finish()` tells the sender the sync `sync` is done."""
+
+    def __init__(self, channel: Callable[[], Channel | None], *, sync: str, version: int, timeout_s: float,
+                 bucket_timeout_s: float = 120.0, connect_timeout_s: float = 30.0):
+        self._read_channel = channel
+        self.sync, self.version = sync, version
+        self.timeout_s, self.bucket_timeout_s, self.connect_timeout_s = timeout_s, bucket_timeout_s, connect_timeout_s
+        self._store = None
+        self._channel: Channel | None = None
+
+    def _connected(self, timeout_s: float | None = None):
+        """The store of the current channel, waiting up to `timeout_s` (connect_timeout_s) for one to appear
+        and answer."""
+        channel = self._read_channel()
+        if self._store is not None and channel == self._channel:
+            return self._store
+        deadline = time.monotonic() + (self.connect_timeout_s if timeout_s is None else timeout_s)
+        last_error: Exception | None = None
+        while True:
+            if channel is not None:
+                try:
+                    wait = min(5.0, max(0.5, deadline - time.monotonic()))
+                    self._store, self._channel = connect(channel, timeout_s=wait), channel
+                    return self._store
+                except StreamError as error:
+                    last_error = error
+            if time.monotonic() > deadline:
+                where = "no channel published" if channel is None else str(last_error)
+                raise StreamError(f"the actor's worker has no reachable weights channel ({where})")
+            time.sleep(0.5)
+            channel = self._read_channel()
+
+    def _post(self, message: dict, timeout_s: float | None = None) -> int:
+        store = self._connected(timeout_s)
+        number = int(store.add("requests", 1))
+        store.set(f"req/{number}", json.dumps({**message, "token": self._channel.token, "sync": self.sync}))
+        return number
+
+    def receive_into(self, loader: Loader) -> int:
+        """Pull the version into `loader`; returns how many buckets came. Raises WeightsUnavailable when the
+        sender holds another version, StreamError or TimeoutError when the stream breaks. The answer may take up
+        to `timeout_s` (the actor's worker finishes what it was doing first); each bucket `bucket_timeout_s`."""
+        info = loader.describe_loaders()
+        number = self._post({"kind": "pull", "version": self.version, "session": loader.weight_session, **info})
+        store, channel = self._store, self._channel
+        deadline = time.monotonic() + self.timeout_s
+
+        def moved() -> None:  # the actor's worker was replaced: its channel is another one
+            if self._read_channel() != channel:
+                raise StreamError("the actor's weights channel changed (its worker was replaced)")
+
+        reply = json.loads(_poll(store, f"reply/{number}", deadline, moved))
+        if reply["status"] != "stream":
+            raise WeightsUnavailable(f"the actor's worker holds policy version {reply.get('holds')}, "
+                                     f"not {self.version}")
+        if reply["method"] == COLLECTIVE_KIND and reply.get("join"):
+            loader.join_weight_group(reply["channel"], reply["group"], 1, int(reply["world"]), reply["backend"],
+                                     self.timeout_s)
+        loader.begin_load()
+        index = 0
+        while True:
+            message = json.loads(_poll(store, f"{number}/bucket/{index}", time.monotonic() + self.bucket_timeout_s,
+                                       moved))
+            if message.get("end"):
+                break
+            if "broken" in message:
+                raise StreamError(f"the actor's worker stopped the stream: {message['broken']}")
+            loader.load_bucket(message["specs"], message["payload"])
+            store.set(f"{number}/ack/{index}", b"1")
+            index += 1
+        loader.finish_load()
+        return index
+
+    def finish(self) -> None:
+        """Tell the sender this sync needs nothing more (best effort: a sender not there yet sees the stage's
+        output committed instead)."""
+        try:
+            self._post({"kind": "done"}, timeout_s=2.0)
+        except (StreamError, RuntimeError):
+            pass
+
+
+def abort(channel: Channel | None, sync: str) -> None:
+    """The driver gives sync `sync` up (its stage failed): a sender waiting for it returns (best effort)."""
+    if channel is None:
+        return
+    try:
+        store = connect(channel, timeout_s=5.0)
+        number = int(store.add("requests", 1))
+        store.set(f"req/{number}", json.dumps({"kind": "abort", "sync": sync, "token": channel.token}))
+    except (StreamError, RuntimeError):
+        pass
+
+
+def new_session() -> str:
+    return uuid.uuid4().hex[:12]

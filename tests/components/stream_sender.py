@@ -1,0 +1,45 @@
+"""The actor's side of a weights stream in a process of its own, for tests/components/test_weight_stream.py:
+
+    python stream_sender.py MODEL CHANNEL_FILE SYNC VERSION HOLDS BUCKET_BYTES
+
+loads MODEL (float32), perturbs it as `perturb` does, opens a channel (written to CHANNEL_FILE), serves
+version VERSION until the sync SYNC is done or aborted, and prints its metrics as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from components.models import load_causal_lm  # noqa: E402
+from components.weight_stream import WeightSender  # noqa: E402
+from components.weights import compute_tensors  # noqa: E402
+
+
+def perturb(model: torch.nn.Module, seed: int = 7) -> torch.nn.Module:
+    """A deterministic change of every weight (what an update does), the same in any process."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.01)
+    return model
+
+
+def main() -> None:
+    model_path, channel_file, sync, version, holds, bucket_bytes = sys.argv[1:7]
+    model = perturb(load_causal_lm(model_path, dtype="float32", device="cpu"))
+    sender = WeightSender(address="127.0.0.1")
+    Path(channel_file).write_text(sender.open().to_json())
+    metrics = sender.serve(sync=sync, version=int(version), holds=holds == "1",
+                           tensors=lambda: compute_tensors(model, torch.float32), device=torch.device("cpu"),
+                           bucket_bytes=int(bucket_bytes), timeout_s=120, ack_timeout_s=30)
+    print(json.dumps(metrics), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""components.weight_stream between two real processes on the CPU (gloo): a policy version reaches the
+rollout engine of another process bit for bit in several buckets; a sender holding another version says so;
+a receiver that fails midway is replaced and its replacement gets everything; a dead sender or an abort ends
+the other side's wait instead of hanging it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from components.rollout import HFRolloutEngine
+from components.weight_channel import Channel, StreamError
+from components.weight_stream import RemoteWeights, WeightsUnavailable, abort
+
+SENDER = Path(__file__).with_name("stream_sender.py")
+BUCKET_BYTES = 64 * 1024  # the tiny model is ~0.5 MB in float32: several buckets
+
+
+def _start_sender(tmp_path, model_path, sync: str, version: int = 3, holds: bool = True):
+    channel_file = tmp_path / f"channel-{sync}.json"
+    process = subprocess.Popen([sys.executable, str(SENDER), model_path, str(channel_file), sync, str(version),
+                                "1" if holds else "0", str(BUCKET_BYTES)], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not channel_file.exists() or not channel_file.read_text():
+        assert process.poll() is None, "the sender exited before opening its channel"
+        assert time.monotonic() < deadline, "the sender did not open its channel"
+        time.sleep(0.1)
+    return process, Channel.from_json(channel_file.read_text())
+
+
+def _metrics(process) -> dict:
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def _expected(model_path) -> dict[str, torch.Tensor]:
+    sys.path.insert(0, str(SENDER.parent))
+    from stream_sender import perturb
+
+    from components.models import load_causal_lm
+
+    return perturb(load_causal_lm(model_path, dtype="float32", device="cpu")).state_dict()
+
+
+def _engine(model_path) -> HFRolloutEngine:
+    return HFRolloutEngine.from_pretrained(model_path, dtype="float32", device="cpu")
+
+
+def test_a_version_streams_from_another_process_into_the_engine_bit_for_bit(tmp_path, model_path):
+    process, channel = _start_sender(tmp_path, model_path, "rollout-3-a")
+    engine = _engine(model_path)
+    expected = _expected(model_path)
+    before = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
+    remote = RemoteWeights(lambda: channel, sync="rollout-3-a", version=3, timeout_s=60)
+    buckets = remote.receive_into(engine)
+    remote.finish()
+    state = engine.model.state_dict()
+    changed = [name for name in state if not torch.equal(state[name], before[name])]
+    assert changed and all(torch.equal(state[name], expected[name]) for name in state)
+    total = sum(tensor.numel() * tensor.element_size() for tensor in expected.values())
+    assert buckets >= total // BUCKET_BYTES >= 4  # one bucket at a time, never the whole model
+    metrics = _metrics(process)
+    assert metrics["weights/streams"] == 1.0 and "weights/send_timeout" not in metrics
+
+
+def test_a_sender_holding_another_version_says_so_and_ends_with_the_sync(tmp_path, model_path):
+    process, channel = _start_sender(tmp_path, model_path, "rollout-4-b", version=4, holds=False)
+    remote = RemoteWeights(lambda: channel, sync="rollout-4-b", version=4, timeout_s=60)
+    engine = _engine(model_path)
+    before = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
+    with pytest.raises(WeightsUnavailable, match="holds policy version None, not 4"):
+        remote.receive_into(engine)
+    assert all(torch.equal(tensor, before[name]) for name, tensor in engine.model.state_dict().items())
+    remote.finish()
+    assert _metrics(process)["weights/streams"] == 0.0
+
+
+class _FailsOnSecondBucket:
+    """A loader (the rollout's engine) that breaks on its second bucket, once it has received it (a process
+    that dies instead closes its end of the group, which ends the sender's broadcast at once)."""
+
+    def __init__(self, engine):
+        self.engine, self.loaded = engine, 0
+        self.weight_session = engine.weight_session
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def load_bucket(self, specs, payload):
+        self.engine.load_bucket(specs, payload)
+        self.loaded += 1
+        if self.loaded == 2:
+            raise RuntimeError("rollout worker lost")
+
+
+def test_a_receiver_that_fails_midway_is_replaced_and_the_replacement_gets_everything(tmp_path, model_path):
+    process, channel = _start_sender(tmp_path, model_path, "rollout-5-c")
+    engine = _engine(model_path)
+    remote = RemoteWeights(lambda: channel, sync="rollout-5-c", version=3, timeout_s=60)
+    with pytest.raises(RuntimeError, match="rollout worker lost"):
+        remote.receive_into(_FailsOnSecondBucket(engine))
+    # The stage is run again (a new worker: a new session and group); the sender, still waiting for the
+    # first receiver's ack, takes the newer pull instead.
+    replacement = _engine(model_path)
+    started = time.monotonic()
+    RemoteWeights(lambda: channel, sync="rollout-5-c", version=3, timeout_s=60).receive_into(replacement)
+    assert time.monotonic() - started < 20  # not the sender's 30 s ack timeout
+    remote.finish()
+    expected = _expected(model_path)
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in replacement.model.state_dict().items())
+    assert _metrics(process)["weights/streams"] == 2.0
+
+
+def test_a_dead_sender_ends_the_receivers_wait(tmp_path, model_path):
+    process, channel = _start_sender(tmp_path, model_path, "rollout-6-d")
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    remote = RemoteWeights(lambda: channel, sync="rollout-6-d", version=3, timeout_s=600, connect_timeout_s=2)
+    started = time.monotonic()
+    with pytest.raises(StreamError, match="no reachable weights channel"):
+        remote.receive_into(_engine(model_path))
+    assert time.monotonic() - started < 30
+    remote.finish()  # nobody to tell: no error
+
+
+def test_the_drivers_abort_ends_a_sender_waiting_for_its_pull(tmp_path, model_path):
+    process, channel = _start_sender(tmp_path, model_path, "rollout-7-e")
+    abort(Channel(**{**channel.__dict__, "token": "not-the-token"}), "rollout-7-e")  # ignored: wrong token
+    time.sleep(1)
+    assert process.poll() is None
+    abort(channel, "rollout-7-e")
+    assert _metrics(process) == {"weights/streams": 0.0, "timing_s/send_weights": 0.0}
