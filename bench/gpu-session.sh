@@ -9,6 +9,10 @@
 #                                      the 1.5B shape (weight-sync-0.5b.json, weight-sync-1.5b.json)
 #   bash bench/gpu-session.sh ws       one H200, GPU 0: product GRPO (0.5B) with trainer.weight_sync=memory, then storage
 #                                      (WS_MODES="storage memory" for the other order)
+#   bash bench/gpu-session.sh wk       one H200, GPU 0: product GRPO with the actor and the rollout in workers of their
+#                                      own (bench/step.py --workers), trainer.weight_sync=storage then memory, at the
+#                                      WK_PRESET shape (default qwen2.5-0.5b; built here unless it is the 0.5B one);
+#                                      grpo-workers-<preset>-<mode>.json; WK_MODES="memory storage" for the other order
 #   bash bench/gpu-session.sh big      one H200, GPU 0: product GRPO at the Qwen2.5-1.5B shape, then at the 3B shape
 #                                      (grpo-1gpu-1.5b.json, grpo-1gpu-3b.json; models built here in bf16 under
 #                                      /tmp/rlhf-bench-models/<preset>), bounded by DEADLINE_S as `one`;
@@ -81,10 +85,12 @@ shared_prefect_server() {  # one Prefect server for every run of the session (sa
   "$PY" -c "from flows.runtime.launcher import wait_until_healthy; wait_until_healthy('${PREFECT_API_URL%/}', None)"
   echo "== $(date +%T) (+$((SECONDS - STARTED)) s) shared Prefect server at $PREFECT_API_URL"
 }
-case " $* " in *" table "*|*" t "*|*" t1 "*|*" t2 "*|*" s1 "*|*" ae "*|*" pe "*|*" te "*|*" one "*|*" big "*|*" ws "*)
+case " $* " in *" table "*|*" t "*|*" t1 "*|*" t2 "*|*" s1 "*|*" ae "*|*" pe "*|*" te "*|*" one "*|*" big "*|*" ws "*|*" wk "*)
   shared_prefect_server start ;; esac
 case " $* " in
   " big ") ;;  # builds its own models (1.5B, 3B), not the 0.5B one
+  " wk ") [ "${WK_PRESET:-qwen2.5-0.5b}" = qwen2.5-0.5b ] && \
+            "$PY" -c "from bench.common import make_random_model; print(make_random_model('$MODEL'))" ;;
   *) "$PY" -c "from bench.common import make_random_model; print(make_random_model('$MODEL'))" ;;
 esac
 
@@ -112,7 +118,7 @@ run() {  # run NAME GPUS COMMAND...: log to $OUT/NAME.log, keep the JSON in $OUT
   CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "$PY" "$@" --model-dir "$MODEL" --out "$OUT/$name.json" \
     > "$LOGS/$name.log" 2>&1
   local rc=$?
-  echo "== $(date +%T) (+$((SECONDS - STARTED)) s) $name exit $rc"; grep -E "^\| |^RESULT|^== (storage|memory)" "$LOGS/$name.log" | cut -c1-400 || tail -25 "$LOGS/$name.log"
+  echo "== $(date +%T) (+$((SECONDS - STARTED)) s) $name exit $rc"; grep -E "^\| |^stage seconds|^== (storage|memory)" "$LOGS/$name.log" | cut -c1-400 || tail -25 "$LOGS/$name.log"
   [ $rc -eq 0 ] || tail -40 "$LOGS/$name.log"
   pack_logs
 }
@@ -128,6 +134,15 @@ for phase in "$@"; do
        steps=${STEPS:-2}
        for mode in ${WS_MODES:-memory storage}; do  # WS_MODES="storage memory": the other order
          run "grpo-1gpu-$mode" 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps" --set "trainer.weight_sync=$mode"
+       done ;;
+    wk) shared_prefect_server  # one H200: weights between workers on GPU 0, through storage then streamed
+       export DEADLINE_S=${DEADLINE_S:-590}
+       preset=${WK_PRESET:-qwen2.5-0.5b}
+       model=$MODEL
+       if [ "$preset" != qwen2.5-0.5b ]; then build_model "$preset" || continue; model=/tmp/rlhf-bench-models/$preset; fi
+       for mode in ${WK_MODES:-storage memory}; do
+         MODEL=$model run "grpo-workers-$preset-$mode" 0 bench/step.py --algorithm grpo --gpus 1 --workers \
+           --preset "$preset" --steps "${STEPS:-2}" --set "trainer.weight_sync=$mode"
        done ;;
     one) shared_prefect_server  # one H200: the three 0.5B rows of the table, back to back on GPU 0
        export DEADLINE_S=${DEADLINE_S:-590}

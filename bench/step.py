@@ -131,8 +131,9 @@ def product_config(args, model_dir: Path, data: Path, work: Path) -> dict:
                                "colocate": [training] if len(training) > 1 else []}
     elif args.workers:  # one GPU shared by workers of their own (the rollout's engine sleeps while they train)
         training = ["actor"] if grpo else ["actor", "critic"]
-        config["placement"] = {"roles": {"rollout": [0], **{role: [0] for role in training}, "reward": "cpu"},
-                               "colocate": [["rollout", *training]]}
+        gpu = [0] if args.device == "cuda" else "cpu"
+        config["placement"] = {"roles": {"rollout": gpu, **{role: gpu for role in training}, "reward": "cpu"},
+                               "colocate": [["rollout", *training]] if args.device == "cuda" else []}
     return config
 
 

@@ -138,6 +138,7 @@ class VLLMRolloutEngine:
         self.weight_session = new_session()
         """Names this engine to an actor's worker streaming weights to it (components/weight_stream.py)."""
         self._ipc_visible: bool | None = None
+        self._loaders: dict | None = None
         self.load_mode: str | None = None
         """How the last in-memory load went in the workers: 'direct' or 'layerwise' (components/vllm_worker.py)."""
         self.sleep_enabled = sleep
@@ -206,10 +207,12 @@ class VLLMRolloutEngine:
     # -- loading buckets (components.weight_stream.Loader) -----------------------------------------
 
     def describe_loaders(self) -> dict:
-        """Where the workers compute, the GPUs every one of them sees, and how many they are."""
-        infos = self.llm.collective_rpc("rlhf_describe")
-        common = set(infos[0]["gpus"]).intersection(*(info["gpus"] for info in infos[1:]))
-        return {"device": infos[0]["device"], "gpus": sorted(common), "loaders": len(infos)}
+        """Where the workers compute, the GPUs every one of them sees, and how many they are (asked once)."""
+        if self._loaders is None:
+            infos = self.llm.collective_rpc("rlhf_describe")
+            common = set(infos[0]["gpus"]).intersection(*(info["gpus"] for info in infos[1:]))
+            self._loaders = {"device": infos[0]["device"], "gpus": sorted(common), "loaders": len(infos)}
+        return self._loaders
 
     def join_weight_group(self, channel: dict, prefix: str, first_rank: int, world: int, backend: str,
                           timeout_s: float) -> None:

@@ -35,16 +35,18 @@ import json
 import os
 import secrets
 import socket
+import threading
 import time
 import uuid
-from dataclasses import asdict
+import weakref
+from dataclasses import asdict, dataclass
 from typing import Callable, Iterator, Protocol
 
 import torch
 
 from components.weight_channel import (COLLECTIVE_KIND, IPC_KIND, Channel, StreamError, broadcast, connect,
                                        default_address, encode_share, ipc_payload, make_group, seconds)
-from components.weights import pack_buckets
+from components.weights import compute_tensors, pack_buckets
 
 
 class WeightsUnavailable(RuntimeError):
@@ -112,6 +114,12 @@ class WeightSender:
         self.next_message = 1
         self.groups: dict[str, tuple[str, object, str]] = {}  # session -> (prefix, group, backend)
         self._made = 0
+        self._lock = threading.Lock()
+        self._current: _Published | None = None
+        self._thread: threading.Thread | None = None
+        self._ended_changed = threading.Condition()
+        self._ended: dict[str, str] = {}  # sync -> how it ended (done, abort), until its stage asks
+        self._sent: dict[str, tuple[int, float]] = {}  # sync -> (streams, seconds sending)
 
     def open(self) -> Channel:
         """Start the channel's store (once per process); returns where it listens."""
@@ -125,6 +133,84 @@ class WeightSender:
     def close(self) -> None:
         self.groups.clear()
         self.store, self.channel = None, None
+
+    # -- an unsharded actor: a thread answers pulls as soon as a version is published -----------------
+
+    def publish(self, version: int, model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int,
+                ack_timeout_s: float) -> None:
+        """Serve `version` of the live `model` (cast to `dtype`) from now on, until `withdraw`, on a thread of
+        this process: a pull is answered at once, without waiting for a stage to be dispatched."""
+        with self._lock:
+            self._current = _Published(version, weakref.ref(model), dtype, bucket_bytes, ack_timeout_s)
+        self.start_thread()
+
+    def start_thread(self) -> None:
+        """Answer pulls on a thread (what this process publishes, `unavailable` for anything else)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="rlhf-weights-server", daemon=True)
+            self._thread.start()
+
+    @property
+    def serving(self) -> int | None:
+        """The version the thread serves now (None: none)."""
+        current = self._current
+        return None if current is None else current.version
+
+    def withdraw(self) -> None:
+        """The actor is about to change: stop serving its version (a stream under way ends first)."""
+        with self._lock:
+            self._current = None
+
+    def wait_done(self, sync: str, timeout_s: float, finished: Callable[[], bool] = lambda: False) -> dict:
+        """The driver's stage for `sync`, when the thread serves: wait until its receiver is done (or aborted,
+        `finished()`, `timeout_s`), so that the actor does not change under a pull still to come."""
+        deadline = time.monotonic() + timeout_s
+        with self._ended_changed:
+            while sync not in self._ended and not finished() and time.monotonic() < deadline:
+                self._ended_changed.wait(1.0)
+            self._ended.pop(sync, None)
+            streams, sending = self._sent.pop(sync, (0, 0.0))
+        metrics = {"weights/streams": float(streams), "timing_s/send_weights": sending}
+        if time.monotonic() >= deadline:
+            metrics["weights/send_timeout"] = 1.0
+        return metrics
+
+    def _run(self) -> None:
+        while self.store is not None:
+            try:
+                got = self._message(time.monotonic() + 60, lambda: False)
+                if got is None:
+                    continue
+                number, message = got
+                kind, sync = message.get("kind"), str(message.get("sync"))
+                if kind in ("done", "abort"):
+                    with self._ended_changed:
+                        self._ended[sync] = kind
+                        self._ended_changed.notify_all()
+                elif kind == "pull":
+                    self._serve_pull(number, message)
+            except StreamError:
+                return  # the store is gone (close)
+            except Exception as error:  # noqa: BLE001 - one bad message must not end the serving
+                if self.store is None:
+                    return  # closed under it
+                print(f"weights server: {error!r}", flush=True)
+
+    def _serve_pull(self, number: int, pull: dict) -> None:
+        with self._lock:  # withdraw waits for the stream
+            current = self._current
+            model = None if current is None else current.model()
+            if model is None or int(pull.get("version", -1)) != current.version:
+                self._reply(number, {"status": "unavailable", "holds": None if model is None else current.version})
+                return
+            started = time.perf_counter()
+            device = next(model.parameters()).device
+            self._stream(self._answer(number, pull, device), compute_tensors(model, current.dtype), device,
+                         current.bucket_bytes, current.ack_timeout_s)
+            sync = str(pull.get("sync"))
+            with self._ended_changed:
+                streams, sending = self._sent.get(sync, (0, 0.0))
+                self._sent[sync] = (streams + 1, sending + time.perf_counter() - started)
 
     def serve(self, *, sync: str, version: int, holds: bool, tensors: Callable[[], Iterator], device: torch.device,
               bucket_bytes: int, timeout_s: float, ack_timeout_s: float, writer: bool = True,
@@ -203,19 +289,23 @@ class WeightSender:
             if int(message.get("version", -1)) != version or not holds:
                 self._reply(number, {"status": "unavailable", "holds": version if holds else None})
                 continue
-            method, backend = _choose_method(message, device)
-            reply = {"status": "stream", "method": method}
-            if method == COLLECTIVE_KIND:
-                session = str(message.get("session"))
-                known = self.groups.get(session)
-                if known is None or known[2] != backend:
-                    self._made += 1
-                    known = (f"rlhf-weights/{session}/{self._made}", None, backend)
-                    self.groups[session] = known
-                reply.update(group=known[0], backend=backend, world=1 + int(message.get("loaders", 1)),
-                             join=known[1] is None, channel=asdict(self.channel))
-            self._reply(number, reply)
-            return {"do": "stream", "number": number, "pull": message, **reply}
+            return self._answer(number, message, device)
+
+    def _answer(self, number: int, pull: dict, device: torch.device) -> dict:
+        """Reply to a pull that will be streamed: how (CUDA IPC, or which group); returns the plan."""
+        method, backend = _choose_method(pull, device)
+        reply = {"status": "stream", "method": method}
+        if method == COLLECTIVE_KIND:
+            session = str(pull.get("session"))
+            known = self.groups.get(session)
+            if known is None or known[2] != backend:
+                self._made += 1
+                known = (f"rlhf-weights/{session}/{self._made}", None, backend)
+                self.groups[session] = known
+            reply.update(group=known[0], backend=backend, world=1 + int(pull.get("loaders", 1)),
+                         join=known[1] is None, channel=asdict(self.channel))
+        self._reply(number, reply)
+        return {"do": "stream", "number": number, "pull": pull, **reply}
 
     def _reply(self, number: int, reply: dict) -> None:
         self.store.set(f"reply/{number}", json.dumps(reply))
@@ -282,11 +372,24 @@ class WeightSender:
         _poll(self.store, f"{number}/ack/{index}", time.monotonic() + ack_timeout_s, replaced)
 
 
+@dataclass
+class _Published:
+    version: int
+    model: Callable[[], torch.nn.Module | None]  # a weak reference: a released actor is not kept alive
+    dtype: torch.dtype
+    bucket_bytes: int
+    ack_timeout_s: float
+
+
 class _Skip(Exception):
     pass
 
 
 class _Finished(Exception):
+    pass
+
+
+class _Moved(Exception):
     pass
 
 
@@ -330,7 +433,17 @@ class RemoteWeights:
         store.set(f"req/{number}", json.dumps({**message, "token": self._channel.token, "sync": self.sync}))
         return number
 
-    def receive_into(self, loader: Loader) -> int:
+    def receive_into(self, loader: Loader, attempts: int = 3) -> int:
+        """`_receive_once`, again on the new channel when the actor's worker was replaced meanwhile."""
+        for attempt in range(attempts):
+            try:
+                return self._receive_once(loader)
+            except _Moved:
+                if attempt == attempts - 1:
+                    raise StreamError("the actor's weights channel kept changing (its worker was replaced)") from None
+        raise AssertionError("unreachable")
+
+    def _receive_once(self, loader: Loader) -> int:
         """Pull the version into `loader`; returns how many buckets came. Raises WeightsUnavailable when the
         sender holds another version, StreamError or TimeoutError when the stream breaks. The answer may take up
         to `timeout_s` (the actor's worker finishes what it was doing first); each bucket `bucket_timeout_s`."""
@@ -339,9 +452,13 @@ class RemoteWeights:
         store, channel = self._store, self._channel
         deadline = time.monotonic() + self.timeout_s
 
-        def moved() -> None:  # the actor's worker was replaced: its channel is another one
-            if self._read_channel() != channel:
-                raise StreamError("the actor's weights channel changed (its worker was replaced)")
+        checked = [time.monotonic()]
+
+        def moved() -> None:  # the actor's worker was replaced: its channel is another one (read once a second)
+            if time.monotonic() - checked[0] >= 1.0:
+                checked[0] = time.monotonic()
+                if self._read_channel() != channel:
+                    raise _Moved()
 
         reply = json.loads(_poll(store, f"reply/{number}", deadline, moved))
         if reply["status"] != "stream":

@@ -13,10 +13,12 @@ actor's weights through a `Transport`. Batches are always Parquet files of the r
   `trainer.keep_weights=null`). A resumed run reloads the rollout from the checkpoint step's copy,
   bit for bit what the memory path had given it.
 - `StreamTransport` (`trainer.execution=workers`): the same, between the actor's worker and the rollout's
-  (components/weight_stream.py): the driver runs the actor's `send_weights` beside each rollout-role stage
-  that needs a new version (`streams`), and the two meet on the actor's channel (`weights/actor/channel.json`):
-  CUDA IPC where the rollout sees the actor's GPU, else NCCL (gloo on CPUs). A version that cannot be streamed
-  (the actor's worker was replaced) is read from its stored copy, or the stage fails saying to resume.
+  (components/weight_stream.py). The rollout's stage pulls the version it needs through the actor's channel
+  (`weights/actor/channel.json`): CUDA IPC where it sees the actor's GPU, else NCCL (gloo on CPUs). An
+  unsharded actor answers from a thread as soon as it has published; the driver runs the actor's
+  `send_weights` beside each such stage (`streams`), which holds the actor still until the pull is done and,
+  for a sharded actor, gathers and sends on every rank. A version that cannot be streamed (the actor's worker
+  was replaced) is read from its stored copy, or the stage fails saying to resume.
 """
 
 from __future__ import annotations
@@ -251,13 +253,27 @@ class StreamTransport(MemoryTransport):
             if self.stored(version):
                 return StorageTransport.publish_weights(self, model, version, compute_dtype)
             return f"memory://{self.layout.weights_dir('actor', version)}"
+        # Unsharded, a thread of this process answers pulls of the version as soon as it is published.
+        _sender().publish(version, model, compute_dtype, self.bucket_bytes, ACK_TIMEOUT_S)
         return super().publish_weights(model, version, compute_dtype)
+
+    def withdraw_weights(self) -> None:
+        if not is_distributed():
+            _sender().withdraw()  # a stream under way ends first
+        super().withdraw_weights()
 
     def send_weights(self, model, version: int, compute_dtype, sync: str, holds: bool,
                      finished=lambda: False) -> dict[str, float]:
         sender = _sender()
         if is_writer():
             self._write_channel(sender.open())
+        if not is_distributed():
+            # The thread serves; this stage holds the actor still until the pull of `sync` is done. A replaced
+            # worker that holds the version (restored from its checkpoint) serves it from now on.
+            if holds and sender.serving != version:
+                sender.publish(version, model, compute_dtype, self.bucket_bytes, ACK_TIMEOUT_S)
+            sender.start_thread()
+            return sender.wait_done(sync, self.timeout_s, finished)
         return sender.serve(
             sync=sync, version=version, holds=holds, tensors=lambda: compute_tensors(model, compute_dtype),
             device=next(model.parameters()).device, bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s,

@@ -1,14 +1,17 @@
 """The actor's side of a weights stream in a process of its own, for tests/components/test_weight_stream.py:
 
-    python stream_sender.py MODEL CHANNEL_FILE SYNC VERSION HOLDS BUCKET_BYTES
+    python stream_sender.py MODEL CHANNEL_FILE SYNC VERSION HOLDS BUCKET_BYTES [DEVICE]
 
 loads MODEL (float32), perturbs it as `perturb` does, opens a channel (written to CHANNEL_FILE), serves
-version VERSION until the sync SYNC is done or aborted, and prints its metrics as JSON.
+version VERSION until the sync SYNC is done or aborted, and prints its metrics as JSON. Under torchrun
+(RANK set) the model is sharded with FSDP2 over gloo ranks, as a sharded actor's worker is: every rank
+serves, rank 0 talks to the channel.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+from components import distributed  # noqa: E402
 from components.models import load_causal_lm  # noqa: E402
 from components.weight_stream import WeightSender  # noqa: E402
 from components.weights import compute_tensors  # noqa: E402
@@ -32,13 +36,24 @@ def perturb(model: torch.nn.Module, seed: int = 7) -> torch.nn.Module:
 
 def main() -> None:
     model_path, channel_file, sync, version, holds, bucket_bytes = sys.argv[1:7]
-    model = perturb(load_causal_lm(model_path, dtype="float32", device="cpu"))
+    device = torch.device(sys.argv[7] if len(sys.argv) > 7 else "cpu")
+    model = perturb(load_causal_lm(model_path, dtype="float32", device="cpu")).to(device)
+    sharded = "RANK" in os.environ
+    if sharded:
+        torch.distributed.init_process_group("gloo")
+        distributed._COMMANDS = torch.distributed.group.WORLD
+        distributed.shard_model(model)
+    writer = distributed.is_writer()
     sender = WeightSender(address="127.0.0.1")
-    Path(channel_file).write_text(sender.open().to_json())
+    if writer:
+        channel = sender.open().to_json()
+        Path(channel_file + ".tmp").write_text(channel)
+        os.replace(channel_file + ".tmp", channel_file)
     metrics = sender.serve(sync=sync, version=int(version), holds=holds == "1",
-                           tensors=lambda: compute_tensors(model, torch.float32), device=torch.device("cpu"),
-                           bucket_bytes=int(bucket_bytes), timeout_s=120, ack_timeout_s=30)
-    print(json.dumps(metrics), flush=True)
+                           tensors=lambda: compute_tensors(model, torch.float32), device=device,
+                           bucket_bytes=int(bucket_bytes), timeout_s=120, ack_timeout_s=30, writer=writer,
+                           decide=distributed.broadcast_call if sharded else (lambda plan: plan))
+    print(json.dumps({"rank": distributed.rank(), **metrics}), flush=True)
 
 
 if __name__ == "__main__":

@@ -24,10 +24,22 @@ SENDER = Path(__file__).with_name("stream_sender.py")
 BUCKET_BYTES = 64 * 1024  # the tiny model is ~0.5 MB in float32: several buckets
 
 
-def _start_sender(tmp_path, model_path, sync: str, version: int = 3, holds: bool = True):
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_sender(tmp_path, model_path, sync: str, version: int = 3, holds: bool = True, ranks: int = 0,
+                  device: str = "cpu"):
+    """The sender script in a process of its own, or as `ranks` FSDP ranks under torchrun."""
     channel_file = tmp_path / f"channel-{sync}.json"
-    process = subprocess.Popen([sys.executable, str(SENDER), model_path, str(channel_file), sync, str(version),
-                                "1" if holds else "0", str(BUCKET_BYTES)], stdout=subprocess.PIPE, text=True)
+    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+                 f"--master-port={_free_port()}"] if ranks else [sys.executable])
+    process = subprocess.Popen([*launcher, str(SENDER), model_path, str(channel_file), sync, str(version),
+                                "1" if holds else "0", str(BUCKET_BYTES), device], stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not channel_file.exists() or not channel_file.read_text():
         assert process.poll() is None, "the sender exited before opening its channel"
@@ -37,9 +49,12 @@ def _start_sender(tmp_path, model_path, sync: str, version: int = 3, holds: bool
 
 
 def _metrics(process) -> dict:
+    """Rank 0's metrics (the only process's)."""
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 0
-    return json.loads(output.strip().splitlines()[-1])
+    reports = [json.loads(line) for line in output.strip().splitlines() if line.startswith("{")]
+    assert len({report["rank"] for report in reports}) == len(reports)
+    return {key: value for key, value in next(r for r in reports if r["rank"] == 0).items() if key != "rank"}
 
 
 def _expected(model_path) -> dict[str, torch.Tensor]:
@@ -70,6 +85,23 @@ def test_a_version_streams_from_another_process_into_the_engine_bit_for_bit(tmp_
     assert buckets >= total // BUCKET_BYTES >= 4  # one bucket at a time, never the whole model
     metrics = _metrics(process)
     assert metrics["weights/streams"] == 1.0 and "weights/send_timeout" not in metrics
+
+
+def test_a_sharded_actor_gathers_and_streams_in_lockstep(tmp_path, model_path):
+    """Two FSDP2 ranks (gloo): every rank gathers each parameter in turn, rank 0 sends; the engine gets the
+    whole unsharded model, and both ranks end with the sync."""
+    process, channel = _start_sender(tmp_path, model_path, "rollout-8-f", ranks=2)
+    engine = _engine(model_path)
+    remote = RemoteWeights(lambda: channel, sync="rollout-8-f", version=3, timeout_s=120)
+    assert remote.receive_into(engine) >= 4
+    remote.finish()
+    expected = _expected(model_path)
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in engine.model.state_dict().items())
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0
+    reports = {report["rank"]: report for report in map(json.loads, filter(lambda line: line.startswith("{"),
+                                                                          output.splitlines()))}
+    assert sorted(reports) == [0, 1] and all(report["weights/streams"] == 1.0 for report in reports.values())
 
 
 def test_a_sender_holding_another_version_says_so_and_ends_with_the_sync(tmp_path, model_path):
@@ -139,3 +171,21 @@ def test_the_drivers_abort_ends_a_sender_waiting_for_its_pull(tmp_path, model_pa
     assert process.poll() is None
     abort(channel, "rollout-7-e")
     assert _metrics(process) == {"weights/streams": 0.0, "timing_s/send_weights": 0.0}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA IPC)")
+def test_on_one_gpu_a_version_goes_over_cuda_ipc_between_processes(tmp_path, model_path):
+    """The actor's worker and the rollout's on one GPU: the engine opens the sender's buffer (no copy through
+    the host) and holds exactly the sender's weights."""
+    process, channel = _start_sender(tmp_path, model_path, "rollout-9-g", device="cuda")
+    engine = HFRolloutEngine.from_pretrained(model_path, dtype="float32", device="cuda")
+    kinds = []
+    load_bucket = engine.load_bucket
+    engine.load_bucket = lambda specs, payload: (kinds.append(payload["kind"]), load_bucket(specs, payload))
+    remote = RemoteWeights(lambda: channel, sync="rollout-9-g", version=3, timeout_s=60)
+    assert remote.receive_into(engine) >= 4
+    remote.finish()
+    assert set(kinds) == {"cuda_ipc"}
+    expected = _expected(model_path)
+    assert all(torch.equal(tensor.cpu(), expected[name]) for name, tensor in engine.model.state_dict().items())
+    assert _metrics(process)["weights/streams"] == 1.0

@@ -210,6 +210,17 @@ def test_memory_sync_reads_the_stored_copy_once_the_published_model_is_gone(tmp_
     assert engine.loaded == [str(tmp_path / "r" / "weights" / "actor" / "1")] and engine.weights_version == 1
 
 
+@pytest.fixture(autouse=True)
+def _fresh_sender():
+    """Each test is a new actor's worker: no channel, no version served."""
+    import flows.runtime.transport as transport_module
+
+    yield
+    if transport_module._SENDER is not None:
+        transport_module._SENDER.close()
+        transport_module._SENDER = None
+
+
 def _streaming(tmp_path, **trainer):
     config = build_config({"run": {"name": "r", "storage_root": str(tmp_path)},
                            "trainer": {"execution": "workers", "total_steps": 9, "checkpoint_every": 3, **trainer}})
