@@ -15,9 +15,9 @@ from prefect.runtime import flow_run
 
 from components.algorithms import make_kl_controller
 from flows.config import Config, ConfigError, RunConfig, layout_for
-from flows.runtime.artifacts import PrefectArtifacts
+from flows.runtime.artifacts import PrefectArtifacts, recorded_rows
 from flows.runtime.dispatch import RemoteStage
-from flows.runtime.attempts import end_dead_attempts, record_attempt
+from flows.runtime.attempts import end_dead_attempts, end_own_dead_attempt, record_attempt
 from flows.runtime.recovery import (check_step_files, commit_checkpoint, driver_state, finished_stage_metrics,
                                     latest_checkpoint, read_run_record, record_resume_changes, record_stage_metrics,
                                     repair_latest_pointer, run_record_path, write_run_record)
@@ -151,8 +151,11 @@ def start_run(config: Config, lineage: dict | None = None) -> RunState:
         start_step = latest_checkpoint(layout) or 0
         if start_step:
             controller.load_state_dict(driver_state(layout, start_step)["kl_controller"])
-        logged = {key: max((m.step for m in tracker.client.get_metric_history(tracker.run_id, key)), default=-1)
-                  for key in tracker.client.get_run(tracker.run_id).data.metrics}
+        history = {key: {m.step: m.value for m in tracker.client.get_metric_history(tracker.run_id, key)}
+                   for key in tracker.client.get_run(tracker.run_id).data.metrics}
+        logged = {key: max(values, default=-1) for key, values in history.items()}
+        # The Prefect metrics table starts with the steps the earlier attempts finished, as MLflow holds them.
+        rows = recorded_rows(history, through_step=start_step)
         state_kwargs = {"start_step": start_step, "logged": logged}
     else:
         if layout.exists(layout.run_dir):
@@ -171,12 +174,16 @@ def start_run(config: Config, lineage: dict | None = None) -> RunState:
                                   "created": _now(), "lineage": lineage or {}})
         if lineage:
             tracker.log_lineage(lineage)
-        state_kwargs = {}
-    for line in end_dead_attempts(record_attempt(layout, str(flow_run.id) if flow_run.id else None)):
+        state_kwargs, rows = {}, []
+    flow_run_id, run_count = (str(flow_run.id) if flow_run.id else None), flow_run.run_count or 1
+    lines = end_dead_attempts(record_attempt(layout, flow_run_id, run_count))
+    if flow_run_id and run_count > 1:  # a retried flow run: its own dead attempt's task runs, before any is submitted
+        lines += end_own_dead_attempt(flow_run_id)
+    for line in lines:
         print(line)
     tracker.set_tags(flow_run_tags())
     start_system_metrics(config, "driver")
-    artifacts = PrefectArtifacts(config, tracker.uri, tracker.experiment_id, tracker.run_id)
+    artifacts = PrefectArtifacts(config, tracker.uri, tracker.experiment_id, tracker.run_id, rows=rows)
     return RunState(config=config, tracker=tracker, kl_controller=controller, artifacts=artifacts, **state_kwargs)
 
 
