@@ -16,7 +16,7 @@ from prefect.runtime import flow_run
 from components.algorithms import make_kl_controller
 from flows.config import Config, ConfigError, RunConfig, layout_for
 from flows.runtime.artifacts import PrefectArtifacts, recorded_rows
-from flows.runtime.dispatch import RemoteStage
+from flows.runtime.dispatch import ProgressRelay, RemoteStage
 from flows.runtime.attempts import end_dead_attempts, end_own_dead_attempt, record_attempt
 from flows.runtime.recovery import (check_step_files, commit_checkpoint, driver_state, finished_stage_metrics,
                                     latest_checkpoint, read_run_record, record_resume_changes, record_stage_metrics,
@@ -46,6 +46,7 @@ class RunState:
     logged: dict[str, int] = field(default_factory=dict)  # metric -> last step MLflow holds (resumed run)
     history: list[dict[str, float]] = field(default_factory=list)
     ahead: dict[int, Pending] = field(default_factory=dict)  # step -> its rollout, started a step early
+    relay: ProgressRelay = field(default_factory=ProgressRelay)  # the workers' progress lines, on this terminal
 
     def run(self, stage, *args) -> dict[str, float]:
         """Run one stage and wait for it; return its metrics."""
@@ -64,7 +65,8 @@ class RunState:
         if trainer.execution == "workers" and stage.role != "driver":
             pending.handle = RemoteStage(scoped(stage.task), stage.name, stage.role, (self.config, *args),
                                          worker_timeout_s=trainer.worker_timeout_s, worker_wait_s=trainer.worker_wait_s,
-                                         stage_timeout_s=trainer.stage_timeout_s, retries=trainer.stage_retries)
+                                         stage_timeout_s=trainer.stage_timeout_s, retries=trainer.stage_retries,
+                                         relay=self.relay)
         else:
             pending.handle = stage.task.with_options(retries=trainer.stage_retries).submit(self.config, *args)
         return pending
