@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 import re
 import threading
 import time
@@ -50,11 +51,13 @@ def _reported_by_the_cli(record: logging.LogRecord) -> bool:
 
 
 class ConsoleFilter(logging.Filter):
-    """Drops Prefect's per-task lifecycle lines (INFO and below) from a console handler, and its reports of a
-    run failed by a user error (the CLI's one line says it)."""
+    """Drops Prefect's per-task lifecycle lines (INFO and below) from a console handler, its reports of a run failed
+    by a user error (the CLI's one line says it), and vLLM's warnings about the build (the CPU build's Triton note)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "rlhf_progress", False):  # progress() printed it already
+            return False
+        if record.name.startswith("vllm") and record.levelno < logging.ERROR:  # logged before VLLM_LOGGING_LEVEL applies
             return False
         if record.levelno >= logging.WARNING:
             return not _reported_by_the_cli(record)
@@ -88,6 +91,9 @@ def quiet_console() -> None:
     for handler in _console_handlers():
         if not any(isinstance(existing, ConsoleFilter) for existing in handler.filters):
             handler.addFilter(ConsoleFilter())
+    # vLLM's own notes (the CPU build's Triton and LD_PRELOAD hints, its engine processes' start) in this process and
+    # the engine processes it starts; VLLM_LOGGING_LEVEL=WARNING or INFO set by the user shows them again.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     for handler in logging.getLogger("mlflow").handlers:
         if not any(isinstance(existing, WarningsOnly) for existing in handler.filters):
             handler.addFilter(WarningsOnly())

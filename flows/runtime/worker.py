@@ -326,10 +326,12 @@ def serve_role(role: str, visible: str, tasks: list, directory: str | None = Non
     # Started for a driver (`rlhf run`): gone when it is, even when it was SIGKILLed.
     watch_parent(on_death=CURRENT.stop)
     try:
+        # The worker's log: progress lines, not every task run's lifecycle (before the preload: vLLM's import reads
+        # VLLM_LOGGING_LEVEL); each progress line also goes to the driver's terminal, through the heartbeat.
+        quiet_console()
+        logging.getLogger(PROGRESS_LOGGER).addHandler(ProgressToHeartbeat(CURRENT))
         with CURRENT.preloading(preload):
             preload_modules(preload)
-        quiet_console()  # the worker's log: progress lines, not every task run's lifecycle
-        logging.getLogger(PROGRESS_LOGGER).addHandler(ProgressToHeartbeat(CURRENT))  # and the driver's terminal
         # One stage at a time: a role's model is not safe to use from two stages at once.
         serve(*tasks, limit=1)
     finally:

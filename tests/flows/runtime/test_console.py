@@ -25,6 +25,9 @@ def test_the_filter_drops_task_lifecycle_and_engine_lines_and_keeps_the_rest():
     assert not keep(_record("prefect.flow_runs", "warm-start step 4/10", rlhf_progress=True))  # printed already
     # A stage submitted to a worker (`.delay()`): one per stage and step under trainer.execution=workers.
     assert not keep(_record("prefect.tasks", "Created task run 'reward-3'. View it in the UI at 'http://x/runs/1'"))
+    assert not keep(_record("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend.",
+                            logging.WARNING))
+    assert keep(_record("vllm.engine", "the engine died", logging.ERROR))
     # The flow's own lines and everything at WARNING or above stay.
     assert keep(_record("prefect.flow_runs", "step 3/20 | score 0.125 | val 0.250"))
     assert keep(_record("prefect.flow_runs", "validation before RL: reward 0.000"))
