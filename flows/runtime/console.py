@@ -94,8 +94,9 @@ def quiet_console() -> None:
     # vLLM's own notes (the CPU build's Triton and LD_PRELOAD hints, its engine processes' start) in this process and
     # the engine processes it starts; VLLM_LOGGING_LEVEL=WARNING or INFO set by the user shows them again.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    for handler in logging.getLogger("mlflow").handlers:
-        if not any(isinstance(existing, WarningsOnly) for existing in handler.filters):
+    for handler in logging.getLogger("mlflow").handlers:  # MLflow's own only (a test's capture handler may be there)
+        if type(handler.formatter).__name__ == "MlflowFormatter" and \
+                not any(isinstance(existing, WarningsOnly) for existing in handler.filters):
             handler.addFilter(WarningsOnly())
     transformers_logging.disable_progress_bar()
     logger = logging.getLogger(PROGRESS_LOGGER)

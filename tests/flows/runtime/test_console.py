@@ -71,15 +71,21 @@ def test_quiet_console_filters_console_handlers_only_and_progress_reaches_the_te
 
 
 def test_mlflow_info_lines_leave_the_terminal_and_its_warnings_stay(monkeypatch):
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)  # stands for MLflow's own handler on its logger
+    from mlflow.utils.logging_utils import MlflowFormatter
+
+    stream, other = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(stream)  # MLflow's own handler on its logger, as MLflow configures it
+    handler.setFormatter(MlflowFormatter(fmt="%(message)s"))
+    capture = logging.StreamHandler(other)  # someone else's handler there (pytest's capture): left alone
     mlflow_logger = logging.getLogger("mlflow")
-    monkeypatch.setattr(mlflow_logger, "handlers", [handler])
+    monkeypatch.setattr(mlflow_logger, "handlers", [handler, capture])
     console.quiet_console()
     logging.getLogger("mlflow.store.db.utils").info("Creating initial MLflow database tables...")
     logging.getLogger("mlflow.system_metrics.system_metrics_monitor").info("Started monitoring system metrics.")
     logging.getLogger("mlflow.tracking").warning("the tracking server is slow")
     assert stream.getvalue() == "the tracking server is slow\n"
+    assert other.getvalue().splitlines() == ["Creating initial MLflow database tables...",
+                                             "Started monitoring system metrics.", "the tracking server is slow"]
 
 
 def test_long_work_says_what_it_does_while_it_lasts_and_quick_work_stays_silent(monkeypatch):
