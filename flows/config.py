@@ -259,6 +259,11 @@ class TrainerConfig(Section):
     """A worker whose heartbeat is older than this is considered dead and its stage is resubmitted."""
     worker_wait_s: float = Field(300.0, gt=0)
     """How long a stage may wait for a live worker of its role before the run fails."""
+    max_attempts: int = Field(3, ge=1)
+    """Attempts a deployment's flow run gets when its process dies (SIGKILL, out of memory, a lost machine): the
+    Prefect worker reports it Crashed and puts it back in the queue, and the next attempt resumes the run at its
+    latest checkpoint; after this many crashed attempts it ends Failed (1: never retried). Runs started by `rlhf
+    train/run` are continued by hand: `rlhf resume`."""
 
 
 class TrackingConfig(Section):

@@ -19,14 +19,31 @@ def artifact_key(config: Config, suffix: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", f"{config.run.name}-{suffix}".lower()).strip("-")
 
 
+def table_row(step: int, metrics: dict[str, float]) -> dict:
+    """One row of the metrics table: the step and TABLE_METRICS it has, to five significant digits (not
+    decimals: an update ratio of 3e-6 must not read 0)."""
+    return {"step": step, **{name: float(f"{metrics[name]:.5g}") for name in TABLE_METRICS if name in metrics}}
+
+
+def recorded_rows(history: dict[str, dict[int, float]], through_step: int) -> list[dict]:
+    """The table's rows of steps 1..through_step from a run's recorded metrics ({metric: {step: value}}, MLflow's
+    history): what a resumed run's table starts with, so that it holds every step, not only the resumed ones."""
+    steps = sorted({step for name in TABLE_METRICS for step in history.get(name, {}) if 1 <= step <= through_step})
+    return [table_row(step, {name: history[name][step] for name in TABLE_METRICS if step in history.get(name, {})})
+            for step in steps]
+
+
 class PrefectArtifacts:
-    def __init__(self, config: Config, tracking_uri: str, experiment_id: str, mlflow_run_id: str):
+    def __init__(self, config: Config, tracking_uri: str, experiment_id: str, mlflow_run_id: str,
+                 rows: list[dict] | None = None):
         self.config = config
-        self.rows: list[dict] = []
+        self.rows: list[dict] = list(rows or [])
+        """The table so far (a resumed run starts with the earlier attempts' steps: recorded_rows)."""
         self.progress_id = None
+        done = self.rows[-1]["step"] if self.rows else 0
         try:
             self.progress_id = create_progress_artifact(
-                progress=0.0, key=artifact_key(config, "progress"),
+                progress=100.0 * done / config.trainer.total_steps, key=artifact_key(config, "progress"),
                 description=f"training steps done of {config.trainer.total_steps}")
             create_markdown_artifact(key=artifact_key(config, "mlflow"), markdown=(
                 f"### MLflow run of `{config.run.name}`\n\n"
@@ -40,9 +57,7 @@ class PrefectArtifacts:
             print(f"warning: Prefect artifacts unavailable: {error}")
 
     def step_done(self, step: int, metrics: dict[str, float]) -> None:
-        # Five significant digits, not decimals: an update ratio of 3e-6 must not read 0.
-        self.rows.append({"step": step, **{name: float(f"{metrics[name]:.5g}") for name in TABLE_METRICS
-                                           if name in metrics}})
+        self.rows.append(table_row(step, metrics))
         total = self.config.trainer.total_steps
         try:
             if self.progress_id is not None:

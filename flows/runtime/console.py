@@ -2,18 +2,25 @@
 
 Prefect's console handler prints every task run's lifecycle (`Created task run`, `Finished in state
 Completed()`), several lines per stage; transformers draws a progress bar each time it writes or loads a
-model. `quiet_console()` keeps those off the terminal only: the records still reach Prefect's API handler
-(the UI shows them) because the filter sits on the console handlers, not on the loggers. What stays: the
-flow's own lines (one per step, the run's start and end), every warning and error except the engine's report
-of a run failed by a user error (a ValueError, OSError or FloatingPointError: the CLI prints it as one line,
-Prefect keeps its traceback), and the progress lines of long work (`progress(...)`: model loads and the engine
-start, the warm-start, the export).
+model; MLflow reports at INFO that it created its tables or started its system metrics. `quiet_console()` keeps
+those off the terminal only: Prefect's records still reach its API handler (the UI shows them) because the
+filter sits on the console handlers, not on the loggers. What stays: the flow's own lines (one per step, the
+run's start and end), every warning and error except the engine's report of a run failed by a user error (a
+ValueError, OSError or FloatingPointError: the CLI prints it as one line, Prefect keeps its traceback), and the
+progress lines of long work (`progress(...)`, `long_work(...)`: model loads and the engine start, the
+warm-start, validation, checkpoints, the export), the workers' ones relayed by the driver (`show`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
+import os
 import re
+import threading
+import time
+from typing import Iterator
 
 from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
@@ -44,19 +51,29 @@ def _reported_by_the_cli(record: logging.LogRecord) -> bool:
 
 
 class ConsoleFilter(logging.Filter):
-    """Drops Prefect's per-task lifecycle lines (INFO and below) from a console handler, and its reports of a
-    run failed by a user error (the CLI's one line says it)."""
+    """Drops Prefect's per-task lifecycle lines (INFO and below) from a console handler, its reports of a run failed
+    by a user error (the CLI's one line says it), and vLLM's warnings about the build (the CPU build's Triton note)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "rlhf_progress", False):  # progress() printed it already
+            return False
+        if record.name.startswith("vllm") and record.levelno < logging.ERROR:  # logged before VLLM_LOGGING_LEVEL applies
             return False
         if record.levelno >= logging.WARNING:
             return not _reported_by_the_cli(record)
         if record.name.startswith("prefect.task_runs"):
             return False
-        if record.name.startswith(("prefect.flow_run", "prefect.workers")):
+        if record.name.startswith(("prefect.flow_run", "prefect.workers", "prefect.tasks")):  # .tasks: `.delay()`
             return not _ENGINE_LINES.match(record.getMessage())
         return True
+
+
+class WarningsOnly(logging.Filter):
+    """On MLflow's console handler: its INFO lines (tables created, system metrics started) are not for the
+    terminal of a run; its warnings and errors are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
 
 
 def _console_handlers() -> list[logging.Handler]:
@@ -74,6 +91,13 @@ def quiet_console() -> None:
     for handler in _console_handlers():
         if not any(isinstance(existing, ConsoleFilter) for existing in handler.filters):
             handler.addFilter(ConsoleFilter())
+    # vLLM's own notes (the CPU build's Triton and LD_PRELOAD hints, its engine processes' start) in this process and
+    # the engine processes it starts; VLLM_LOGGING_LEVEL=WARNING or INFO set by the user shows them again.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    for handler in logging.getLogger("mlflow").handlers:  # MLflow's own only (a test's capture handler may be there)
+        if type(handler.formatter).__name__ == "MlflowFormatter" and \
+                not any(isinstance(existing, WarningsOnly) for existing in handler.filters):
+            handler.addFilter(WarningsOnly())
     transformers_logging.disable_progress_bar()
     logger = logging.getLogger(PROGRESS_LOGGER)
     if not logger.handlers:
@@ -93,3 +117,49 @@ def progress(message: str) -> None:
         get_run_logger().info(message, extra={"rlhf_progress": True})
     except MissingContextError:  # outside a flow or task run: the terminal line is all
         pass
+
+
+def show(line: str) -> None:
+    """A line on this process's terminal only, as progress lines are printed: a worker's progress line that the
+    driver relays (flows.runtime.dispatch.ProgressRelay; Prefect has it already, in the stage's task run log)."""
+    logging.getLogger(PROGRESS_LOGGER).info(line)
+
+
+class Work:
+    """What long_work prints at the end (`done`, a format of {seconds}); the caller may change it as it learns
+    the result."""
+
+    def __init__(self, done: str):
+        self.done = done
+
+
+@contextlib.contextmanager
+def long_work(start: str, still: str, done: str, every_s: float = 20.0, announce_after_s: float = 0.0) -> Iterator[Work]:
+    """Progress lines around work that may take long: `start` as it begins, `still` every `every_s` seconds while
+    it runs, `done` when it ends (not when it raises: the error says it); `still` and `done` are formats of
+    {seconds}. With announce_after_s > 0, work that ends sooner prints nothing, and `start` comes (with the
+    seconds so far) only once it has run that long. The lines come from a timer thread, which sees the caller's
+    Prefect run context, so they reach the stage's log too."""
+    work, stop, started = Work(done), threading.Event(), time.perf_counter()
+    announced = announce_after_s <= 0
+    if announced:
+        progress(start)
+
+    def watch() -> None:
+        nonlocal announced
+        due = every_s if announced else announce_after_s
+        while not stop.wait(max(0.0, due - (time.perf_counter() - started))):
+            seconds = time.perf_counter() - started
+            progress(still.format(seconds=seconds) if announced else f"{start} ({seconds:.0f} s so far)")
+            announced, due = True, due + every_s
+
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=context.run, args=(watch,), name="rlhf-long-work", daemon=True)
+    thread.start()
+    try:
+        yield work
+    finally:
+        stop.set()
+        thread.join()
+    if announced:
+        progress(work.done.format(seconds=time.perf_counter() - started))

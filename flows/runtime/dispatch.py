@@ -6,6 +6,8 @@ whose heartbeat went stale (killed, machine lost), or handed to a worker that di
 is marked Crashed and submitted again (RunTracker). Stages write their output atomically and are a
 pure function of (config, step), so a second attempt cannot duplicate or lose samples.
 
+While it waits, the driver also prints the workers' progress lines, which their heartbeats carry (ProgressRelay).
+
 A worker that finishes a stage also leaves its return value beside its heartbeat
 (`flows.runtime.worker.publish_result`), and the driver takes it from there first: the server records a task
 run's Completed state from an event, and Prefect 3.7's task run recorder at times fails its first write
@@ -24,6 +26,7 @@ from prefect.client.orchestration import get_client
 from prefect.exceptions import MissingContextError
 from prefect.states import Crashed
 
+from flows.runtime.console import show
 from flows.runtime.worker import heartbeat_dir, read_heartbeats, take_result
 
 POLL_INTERVAL_S = 0.05
@@ -75,12 +78,37 @@ class RunTracker:
         return "waiting"
 
 
+class ProgressRelay:
+    """Prints on the driver's terminal the progress lines its workers keep in their heartbeats
+    (flows.runtime.worker.Heartbeat.note_progress), each once, prefixed with the role: `[rollout] starting the vLLM
+    rollout engine ...`. Lines a worker recorded before the relay started (a long-lived worker's earlier run) are
+    skipped; `since` allows CLOCK_SLACK_S of difference between the hosts' clocks."""
+
+    CLOCK_SLACK_S = 5.0
+
+    def __init__(self, since: float | None = None):
+        self.since = (time.time() if since is None else since) - self.CLOCK_SLACK_S
+        self.printed: dict[tuple, int] = {}  # (host, pid) -> the number of its last line seen
+
+    def relay(self, beats: list[dict]) -> None:
+        for beat in beats:
+            worker = (beat.get("host"), beat.get("pid"))
+            last = self.printed.get(worker, 0)
+            for number, at, message in beat.get("progress", []):
+                if number > last and at >= self.since:
+                    show(f"[{beat.get('role')}] {message}")
+                last = max(last, number)
+            self.printed[worker] = last
+
+
 class RemoteStage:
     """One stage dispatched to its role's workers; `result()` waits, resubmitting when a worker dies."""
 
     def __init__(self, stage_task, stage: str, role: str, args: tuple, *, worker_timeout_s: float,
-                 worker_wait_s: float, stage_timeout_s: float, retries: int = 0):
+                 worker_wait_s: float, stage_timeout_s: float, retries: int = 0, relay: ProgressRelay | None = None):
         self.task, self.stage, self.role, self.args = stage_task, stage, role, args
+        self.relay = relay
+        """Prints the workers' progress lines while this stage is waited for (and once more at its end)."""
         self.worker_timeout_s, self.worker_wait_s, self.stage_timeout_s = worker_timeout_s, worker_wait_s, stage_timeout_s
         self.retries = retries
         """trainer.stage_retries: how often a stage that raised is submitted again (a lost worker does not count)."""
@@ -94,6 +122,13 @@ class RemoteStage:
         self.tracker = RunTracker(str(self.future.task_run_id), self.role, self.worker_timeout_s)
 
     def result(self) -> Any:
+        try:
+            return self._result()
+        finally:
+            if self.relay is not None:  # what the worker said in the last moments of the stage
+                self.relay.relay(list(read_heartbeats(heartbeat_dir())))
+
+    def _result(self) -> Any:
         with get_client(sync_client=True) as client:
             for look in itertools.count():
                 # First the result the worker left beside its heartbeat: the server learns a task run's
@@ -144,8 +179,10 @@ class RemoteStage:
 
     def _lost(self, state) -> bool:
         """True when the task run's worker is gone; raises when no worker of the role shows up."""
-        verdict = self.tracker.observe(list(read_heartbeats(heartbeat_dir())),
-                                       running=state is not None and state.is_running())
+        beats = list(read_heartbeats(heartbeat_dir()))
+        if self.relay is not None:
+            self.relay.relay(beats)
+        verdict = self.tracker.observe(beats, running=state is not None and state.is_running())
         if verdict == "no workers" and time.monotonic() - self.submitted_at > self.worker_wait_s:
             raise WorkerLostError(
                 f"no live worker for role {self.role!r} after {self.worker_wait_s:.0f} s "

@@ -15,9 +15,9 @@ from prefect.runtime import flow_run
 
 from components.algorithms import make_kl_controller
 from flows.config import Config, ConfigError, RunConfig, layout_for
-from flows.runtime.artifacts import PrefectArtifacts
-from flows.runtime.dispatch import RemoteStage
-from flows.runtime.attempts import end_dead_attempts, record_attempt
+from flows.runtime.artifacts import PrefectArtifacts, recorded_rows
+from flows.runtime.dispatch import ProgressRelay, RemoteStage
+from flows.runtime.attempts import end_dead_attempts, end_own_dead_attempt, record_attempt
 from flows.runtime.recovery import (check_step_files, commit_checkpoint, driver_state, finished_stage_metrics,
                                     latest_checkpoint, read_run_record, record_resume_changes, record_stage_metrics,
                                     repair_latest_pointer, run_record_path, write_run_record)
@@ -49,6 +49,7 @@ class RunState:
     ahead: dict[int, Pending] = field(default_factory=dict)  # step -> its rollout, started a step early
     senders: list[tuple[str, Pending]] = field(default_factory=list)
     """(sync, stage) of the actor's send_weights stages still running beside the stage they feed."""
+    relay: ProgressRelay = field(default_factory=ProgressRelay)  # the workers' progress lines, on this terminal
 
     def run(self, stage, *args) -> dict[str, float]:
         """Run one stage and wait for it; return its metrics."""
@@ -67,7 +68,8 @@ class RunState:
         if trainer.execution == "workers" and stage.role != "driver":
             pending.handle = RemoteStage(scoped(stage.task), stage.name, stage.role, (self.config, *args),
                                          worker_timeout_s=trainer.worker_timeout_s, worker_wait_s=trainer.worker_wait_s,
-                                         stage_timeout_s=trainer.stage_timeout_s, retries=trainer.stage_retries)
+                                         stage_timeout_s=trainer.stage_timeout_s, retries=trainer.stage_retries,
+                                         relay=self.relay)
         else:
             pending.handle = stage.task.with_options(retries=trainer.stage_retries).submit(self.config, *args)
         return pending
@@ -169,8 +171,11 @@ def start_run(config: Config, lineage: dict | None = None) -> RunState:
         start_step = latest_checkpoint(layout) or 0
         if start_step:
             controller.load_state_dict(driver_state(layout, start_step)["kl_controller"])
-        logged = {key: max((m.step for m in tracker.client.get_metric_history(tracker.run_id, key)), default=-1)
-                  for key in tracker.client.get_run(tracker.run_id).data.metrics}
+        history = {key: {m.step: m.value for m in tracker.client.get_metric_history(tracker.run_id, key)}
+                   for key in tracker.client.get_run(tracker.run_id).data.metrics}
+        logged = {key: max(values, default=-1) for key, values in history.items()}
+        # The Prefect metrics table starts with the steps the earlier attempts finished, as MLflow holds them.
+        rows = recorded_rows(history, through_step=start_step)
         state_kwargs = {"start_step": start_step, "logged": logged}
     else:
         if layout.exists(layout.run_dir):
@@ -189,12 +194,16 @@ def start_run(config: Config, lineage: dict | None = None) -> RunState:
                                   "created": _now(), "lineage": lineage or {}})
         if lineage:
             tracker.log_lineage(lineage)
-        state_kwargs = {}
-    for line in end_dead_attempts(record_attempt(layout, str(flow_run.id) if flow_run.id else None)):
+        state_kwargs, rows = {}, []
+    flow_run_id, run_count = (str(flow_run.id) if flow_run.id else None), flow_run.run_count or 1
+    lines = end_dead_attempts(record_attempt(layout, flow_run_id, run_count))
+    if flow_run_id and run_count > 1:  # a retried flow run: its own dead attempt's task runs, before any is submitted
+        lines += end_own_dead_attempt(flow_run_id)
+    for line in lines:
         print(line)
     tracker.set_tags(flow_run_tags())
     start_system_metrics(config, "driver")
-    artifacts = PrefectArtifacts(config, tracker.uri, tracker.experiment_id, tracker.run_id)
+    artifacts = PrefectArtifacts(config, tracker.uri, tracker.experiment_id, tracker.run_id, rows=rows)
     return RunState(config=config, tracker=tracker, kl_controller=controller, artifacts=artifacts, **state_kwargs)
 
 

@@ -14,11 +14,9 @@ folder, and a driver that stops at once when its Prefect server is gone.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import json
 import os
-import signal
 import socket
 import sys
 import threading

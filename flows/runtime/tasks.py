@@ -18,6 +18,7 @@ from typing import Callable
 import fsspec
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
 from prefect.runtime import task_run
 
 from components.distributed import broadcast_call, is_distributed
@@ -31,19 +32,39 @@ def inject_failure(stage: str, step) -> None:
     stage without a step, the warm-start, is `warm_start:None`);
     stage:step:kill SIGKILLs the process that runs it (its role's worker under trainer.execution=workers),
     once (a marker in the heartbeat folder remembers), as a lost machine would: no exception, no final
-    state."""
+    state. It dies first thing in the stage, so the server may never learn the stage started (Prefect sends
+    task run states as events); stage:step:kill-running waits until the server has the task run Running, as
+    for a machine lost in the middle of a stage."""
     target = os.environ.get("RLHF_INJECT_FAILURE", "")
     if not target:
         return
     if target == f"{stage}:{step}":
         raise RuntimeError(f"injected failure in stage {stage} at step {step} (RLHF_INJECT_FAILURE={target})")
-    if target == f"{stage}:{step}:kill":
+    if target in (f"{stage}:{step}:kill", f"{stage}:{step}:kill-running"):
         fs, root = fsspec.core.url_to_fs(worker.heartbeat_dir())
         marker = f"{root.rstrip('/')}/injected-kill-{stage}-{step}"
         if not fs.exists(marker):
             fs.makedirs(root, exist_ok=True)
             fs.touch(marker)
+            if target.endswith("-running"):
+                _until_the_server_has_it_running()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _until_the_server_has_it_running(timeout_s: float = 10.0) -> None:
+    """Wait (up to `timeout_s`) until the server records this task run Running."""
+    if task_run.id is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            try:
+                state = client.read_task_run(task_run.id).state
+            except Exception:  # noqa: BLE001 - not recorded yet
+                state = None
+            if state is not None and state.is_running():
+                return
+            time.sleep(0.1)
 
 
 TASK_SCOPE_ENV = "RLHF_TASK_SCOPE"

@@ -7,8 +7,9 @@ CUDA_VISIBLE_DEVICES is set before CUDA initializes (torch reads it then, not at
 load on first use and stay resident (flows.training.roles) across steps. The worker writes a heartbeat file
 (`<heartbeat dir>/<role>-<host>-<pid>.json`) every second: which task runs it holds, which it is done
 with, since when it has been idle, which stages it finished and how many times it loaded each model.
-The driver reads these files to tell a slow stage from a dead worker; the directory may be on shared
-storage (any fsspec URI) for workers on other hosts.
+The driver reads these files to tell a slow stage from a dead worker, and prints the worker's latest progress
+lines (model loads, the engine start, the warm-start) that the heartbeat also holds; the directory may be on
+shared storage (any fsspec URI) for workers on other hosts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -30,7 +32,7 @@ from prefect.task_worker import serve
 
 from components.distributed import broadcast_call, init_from_environment
 from components.vllm_rollout import preload_vllm
-from flows.runtime.console import quiet_console
+from flows.runtime.console import PROGRESS_LOGGER, quiet_console
 from flows.runtime.residents import LOAD_COUNTS, forget_earlier_run
 from flows.runtime.supervision import watch_parent
 from flows.runtime.system_metrics import stop_system_metrics
@@ -40,6 +42,8 @@ DEFAULT_HEARTBEAT_DIR = ".rlhf/workers"
 HEARTBEAT_INTERVAL_S = 1.0
 DONE_KEPT = 64
 """How many of its most recent task run ids a heartbeat lists as done."""
+PROGRESS_KEPT = 16
+"""How many of its latest progress lines a heartbeat holds for the driver to print (Heartbeat.note_progress)."""
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -87,6 +91,15 @@ class Heartbeat:
             handle.write(payload)
         self.fs.mv(temporary, self.path)
 
+    def note_progress(self, message: str) -> None:
+        """Keep a progress line of this worker (numbered, timed; the newest PROGRESS_KEPT) in the heartbeat, written
+        at once: the driver prints it on its terminal (flows.runtime.dispatch.ProgressRelay)."""
+        with self._lock:
+            lines = self.state.setdefault("progress", [])
+            number = lines[-1][0] + 1 if lines else 1
+            self.state["progress"] = [*lines, [number, time.time(), message]][-PROGRESS_KEPT:]
+        self.write()
+
     def start(self) -> None:
         def loop() -> None:
             while not self._stop.wait(HEARTBEAT_INTERVAL_S):
@@ -120,6 +133,17 @@ class Heartbeat:
                 if not self.state["running"]:
                     self.state["idle_since"] = time.time()
             self.write()
+
+
+class ProgressToHeartbeat(logging.Handler):
+    """On the progress logger of a worker: each progress line also goes into its heartbeat."""
+
+    def __init__(self, heartbeat: Heartbeat):
+        super().__init__()
+        self.heartbeat = heartbeat
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.heartbeat.note_progress(record.getMessage())
 
 
 class _Running:
@@ -302,9 +326,12 @@ def serve_role(role: str, visible: str, tasks: list, directory: str | None = Non
     # Started for a driver (`rlhf run`): gone when it is, even when it was SIGKILLed.
     watch_parent(on_death=CURRENT.stop)
     try:
+        # The worker's log: progress lines, not every task run's lifecycle (before the preload: vLLM's import reads
+        # VLLM_LOGGING_LEVEL); each progress line also goes to the driver's terminal, through the heartbeat.
+        quiet_console()
+        logging.getLogger(PROGRESS_LOGGER).addHandler(ProgressToHeartbeat(CURRENT))
         with CURRENT.preloading(preload):
             preload_modules(preload)
-        quiet_console()  # the worker's log: progress lines, not every task run's lifecycle
         # One stage at a time: a role's model is not safe to use from two stages at once.
         serve(*tasks, limit=1)
     finally:

@@ -42,8 +42,10 @@ def _ensure_quickstart_inputs(config) -> None:
     """The quickstart makes its own model and data (nothing can be downloaded)."""
     from components.tasks.arithmetic import ensure_arithmetic_dataset
     from components.tiny import build_tiny_model
+    from flows.runtime.console import quiet_console
 
     if not Path(config.model.path, "config.json").exists():
+        quiet_console()  # no `Writing model shards` bar
         print(f"building the tiny model at {config.model.path}")
         build_tiny_model(config.model.path)
     data_dir = Path(config.data.train_files[0]).parent

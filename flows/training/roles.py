@@ -10,7 +10,6 @@ needs (flows/runtime/recovery.py decides where it comes from otherwise).
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Callable
 
 import torch
@@ -26,7 +25,7 @@ from components.rewards import RewardModel, load_reward_function
 from components.rollout import HFRolloutEngine
 from components.vllm_rollout import DataParallelRollout, VLLMRolloutEngine
 from flows.config import Config, layout_for
-from flows.runtime.console import progress
+from flows.runtime.console import long_work
 from flows.runtime.recovery import LATEST, restore_point, state_source
 from flows.runtime.residents import release_role, resident
 from flows.training.engines import engine_placements, rollout_engine_name, rollout_gpus, vllm_options
@@ -187,31 +186,31 @@ BUILDERS: dict[str, Callable[[Config], Any]] = {
 }
 
 
-def _loading_note(config: Config, name: str) -> str | None:
-    """What the progress line says while a model role loads (None: no line, a quick build)."""
+def _loading_note(config: Config, name: str) -> tuple[str, str] | None:
+    """What the progress lines say while a model role loads: (what, a note on how long it takes), or None: no
+    line, a quick build."""
     if name == "rollout":
         engine = rollout_engine_name(config)
         if engine == "vllm":
-            return ("starting the vLLM rollout engine (once per run; about 30 s for a tiny model on a CPU, 2 min "
-                    "on a GPU where it compiles)")
-        return f"loading the rollout model ({engine})"
+            return ("starting the vLLM rollout engine",
+                    " (once per run; about 30 s for a tiny model on a CPU, 2 min on a GPU where it compiles)")
+        return f"loading the rollout model ({engine})", ""
     if name in ("actor", "reference", "critic") or (name == "reward" and config.reward.kind == "model"):
-        return f"loading the {name} model"
+        return f"loading the {name} model", ""
     return None
 
 
 def get_role(config: Config, name: str, **build_options) -> Any:
     """The resident instance of role `name` for this run, built on first use (with `build_options`,
-    e.g. a trained role's `restore`); a model's load is announced as progress lines."""
+    e.g. a trained role's `restore`); a model's load is announced as progress lines, with a line every 20 s
+    while it lasts (a vLLM engine start takes minutes on a GPU)."""
 
     def build():
         note = _loading_note(config, name)
         if note is None:
             return BUILDERS[name](config, **build_options)
-        progress(f"{note} ...")
-        started = time.perf_counter()
-        instance = BUILDERS[name](config, **build_options)
-        progress(f"{name} ready in {time.perf_counter() - started:.1f} s")
-        return instance
+        what, how_long = note
+        with long_work(f"{what}{how_long} ...", f"{what}: {{seconds:.0f}} s so far", f"{name} ready in {{seconds:.1f}} s"):
+            return BUILDERS[name](config, **build_options)
 
     return resident(config, name, build)

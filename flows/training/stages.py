@@ -36,7 +36,7 @@ from components.rewards import RewardFunctionError, score_responses
 from components.rollout import HFRolloutEngine, SamplingParams
 from components.sft import warm_start as fine_tune
 from flows.config import Config, layout_for
-from flows.runtime.console import progress
+from flows.runtime.console import long_work, progress
 from flows.runtime.tasks import inject_failure
 from flows.runtime.transport import transport_for
 from flows.training.registry import STAGES, stage
@@ -334,16 +334,25 @@ def update_critic(config: Config, step: int) -> StageResult:
     return {"path": layout_for(config).stage_path(step, "advantages"), "metrics": metrics}
 
 
+VALIDATION_QUIET_S = 10.0
+"""A validation that ends sooner prints no progress line (the step's line shows its reward)."""
+
+
 def evaluate(config: Config, engine, records) -> tuple[dict, dict[str, float]]:
-    """Generate once per validation prompt (val_temperature) and score; return columns and metrics."""
+    """Generate once per validation prompt (val_temperature) and score; return columns and metrics. One that
+    takes over VALIDATION_QUIET_S says so on the terminal, every 20 s, and its reward at the end (the engines
+    generate all prompts in one call, so the lines count seconds, not prompts)."""
     records = records[: config.data.max_val_prompts] if config.data.max_val_prompts else records
     params = SamplingParams(n=1, temperature=config.rollout.val_temperature, top_p=config.rollout.top_p,
                             max_new_tokens=config.rollout.max_new_tokens, stop=tuple(config.rollout.stop),
                             seed=config.trainer.seed)
-    generations = engine.generate([r.prompt_ids for r in records], params)
-    texts = [g.text for g in generations]
-    scores = _score(config, [r.prompt_ids for r in records], texts, [r.ground_truth for r in records],
-                    [r.data_source for r in records], [r.extra_info for r in records])
+    what = f"validation: generating and scoring {len(records)} prompts"
+    with long_work(what, f"{what}: {{seconds:.0f}} s so far", "", announce_after_s=VALIDATION_QUIET_S) as work:
+        generations = engine.generate([r.prompt_ids for r in records], params)
+        texts = [g.text for g in generations]
+        scores = _score(config, [r.prompt_ids for r in records], texts, [r.ground_truth for r in records],
+                        [r.data_source for r in records], [r.extra_info for r in records])
+        work.done = f"validation: reward {sum(scores) / len(scores):.3f} on {len(records)} prompts in {{seconds:.1f}} s"
     columns = {"uid": [f"val-{r.index}" for r in records], "prompt_text": [r.prompt_text for r in records],
                "response_text": texts, "ground_truth": [r.ground_truth for r in records],
                "data_source": [r.data_source for r in records], "extra_info": [r.extra_info for r in records],
@@ -493,12 +502,19 @@ def sample_rows(config: Config, step: int, limit: int = 16) -> dict[str, list]:
             "ground_truth": rollout_table.column("ground_truth").to_pylist(), "score": scores}
 
 
+CHECKPOINT_QUIET_S = 5.0
+"""A role's checkpoint that ends sooner prints no progress line (a tiny model's, every step)."""
+
+
 def _checkpoint_role(config: Config, step: int, role: str) -> StageResult:
     layout = layout_for(config)
     instance = trained_role(config, role, step, f"checkpoint_{role}")
     path = f"{layout.checkpoint_dir(step)}/{role}"
     metrics: dict[str, float] = {}
-    with timed(metrics, f"checkpoint_{role}"):
+    what = f"checkpoint at step {step}: writing the {role}'s weights and optimizer state"
+    with timed(metrics, f"checkpoint_{role}"), long_work(
+            what, f"{what}: {{seconds:.0f}} s so far", f"checkpoint at step {step}: {role} written in {{seconds:.1f}} s",
+            announce_after_s=CHECKPOINT_QUIET_S):
         if role == "actor":
             # The copy of this step's policy the resumed rollout reloads is committed before the checkpoint.
             transport_for(config).flush()

@@ -25,9 +25,11 @@ import uuid
 
 from prefect import flow, get_run_logger
 from prefect.exceptions import TerminationSignal
+from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 
-from flows.config import Config, ConfigError, build_config, layout_for, load_config
+from flows.config import Config, ConfigError, TrainerConfig, build_config, layout_for, load_config
+from flows.runtime.attempts import retry_crashed
 from flows.runtime.console import progress
 from flows.runtime.driver import Pending, RunState, for_this_flow_run, run_name_for_this_flow_run, start_run
 from flows.runtime.residents import release_run
@@ -131,18 +133,36 @@ def resolve_config(config: Config | None = None, config_file: str | None = None,
     return build_config(config.model_dump(mode="json"), listed) if listed else config
 
 
+def _config_of(parameters: dict) -> Config:
+    """The config a flow run's parameters resolve to (ValueError when they do not)."""
+    config = parameters.get("config")
+    config = Config.model_validate(config) if isinstance(config, dict) else config
+    return resolve_config(config, parameters.get("config_file"), parameters.get("deployment_overrides"),
+                          parameters.get("overrides"))
+
+
 def flow_run_name() -> str:
     """The flow run's name in Prefect: the run's name (with run.name_timestamp, the stamped one), from the
     flow's parameters. A config that does not resolve keeps the name Prefect gave: the flow reports it."""
-    parameters = prefect_flow_run.parameters
-    config = parameters.get("config")
     try:
-        config = Config.model_validate(config) if isinstance(config, dict) else config
-        config = resolve_config(config, parameters.get("config_file"), parameters.get("deployment_overrides"),
-                                parameters.get("overrides"))
+        config = _config_of(prefect_flow_run.parameters)
     except ValueError:
         return prefect_flow_run.name
     return run_name_for_this_flow_run(config.run)
+
+
+def retry_when_crashed(flow, flow_run, state) -> None:
+    """on_crashed: a deployment's flow run whose process died (SIGKILL, out of memory) is retried, and the retry
+    resumes the run, up to trainer.max_attempts attempts (flows.runtime.attempts.retry_crashed). Prefect's worker
+    calls it once the process is gone; in the dying process itself, and for a run of no deployment (`rlhf
+    resume` continues those), it does nothing."""
+    if prefect_flow_run.id is not None or flow_run.deployment_id is None:
+        return
+    try:
+        max_attempts = _config_of(flow_run.parameters).trainer.max_attempts
+    except ValueError:  # a config that does not resolve fails the run rather than crash it: the default then
+        max_attempts = TrainerConfig().max_attempts
+    flow_run_logger(flow_run, flow).warning(retry_crashed(str(flow_run.id), max_attempts))
 
 
 def _log_final_model(state: RunState, summary: dict) -> None:
@@ -158,7 +178,7 @@ def _log_final_model(state: RunState, summary: dict) -> None:
         summary["registered_model"] = f"models:/{config.tracking.registered_model}/{version}"
 
 
-@flow(name="rlhf-train", log_prints=True, flow_run_name=flow_run_name)
+@flow(name="rlhf-train", log_prints=True, flow_run_name=flow_run_name, on_crashed=[retry_when_crashed])
 def train(config: Config | None = None, config_file: str | None = None, deployment_overrides: list[str] | None = None,
           overrides: list[str] | None = None) -> dict:
     """Train a causal LM with PPO/GRPO; return the final validation reward and where to look. The config is

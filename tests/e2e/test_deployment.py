@@ -102,7 +102,6 @@ def test_deploy_from_prefect_yaml_and_run_on_a_process_worker(prefect_api, tmp_p
                     "and rlhf-train/nightly, so it runs only against the test session's own server")
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
-    from prefect.deployments import run_deployment
 
     env = _env(prefect_api, tmp_path / "prefect-home", pwd=tmp_path)
     pool = f"rlhf-test-{uuid.uuid4().hex[:8]}"
@@ -291,3 +290,170 @@ def _check_names_lineage_and_registered_model(tmp_path, tiny_inputs, finished, l
     assert output.shape[1] == ids.shape[1] + 4
     (generated,) = generator(prompt, max_new_tokens=4, do_sample=False)
     assert generated["generated_text"].startswith(prompt)
+
+
+# --- a crashed deployment run: retried, resumed, capped ---------------------------------------------------
+
+
+def _start_worker(pool: str, env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen:
+    """A process worker that keeps polling (a retried flow run goes back to its pool's queue)."""
+    cwd.mkdir(exist_ok=True)
+    return subprocess.Popen([*PREFECT, "worker", "start", "--pool", pool, "--name", f"{pool}-worker"], cwd=cwd,
+                            env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _wait_until_final(flow_run_id, worker: subprocess.Popen, log: Path, timeout_s: float = 540):
+    """The flow run once Completed or Failed (a Crashed one is retried, so Crashed is not final here)."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            flow_run = client.read_flow_run(flow_run_id)
+            if flow_run.state is not None and flow_run.state.type in (StateType.COMPLETED, StateType.FAILED):
+                return flow_run
+            if time.monotonic() > deadline or worker.poll() is not None:
+                pytest.fail(f"flow run {flow_run_id} is {flow_run.state} after {timeout_s} s (worker exit code "
+                            f"{worker.poll()}); worker output:\n{log.read_text()[-6000:]}")
+            time.sleep(2)
+
+
+def _states(flow_run_id) -> list[tuple[str, str]]:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return [(state.type.value, state.name) for state in
+                sorted(client.read_flow_run_states(flow_run_id), key=lambda state: state.timestamp)]
+
+
+def _deploy_quickstart_on_a_fresh_pool(env) -> str:
+    pool = f"rlhf-retry-{uuid.uuid4().hex[:8]}"
+    _prefect(["work-pool", "create", pool, "--type", "process"], env)
+    _prefect(["--no-prompt", "deploy", "--name", "quickstart", "--pool", pool], env)
+    return pool
+
+
+def test_a_crashed_deployment_run_is_retried_and_resumes_to_the_uninterrupted_weights(prefect_api, tmp_path,
+                                                                                     tiny_inputs):
+    """The flow-run process is SIGKILLed in step 1's actor update; its worker marks it Crashed, the flow's
+    on_crashed hook ends its task runs Crashed and puts it back in the queue, and the second attempt resumes it at
+    checkpoint 1: the run completes with the same final weights as an uninterrupted run, and the Prefect metrics
+    table holds every step, the one the dead attempt finished too."""
+    if os.environ.get("PREFECT_API_URL"):
+        pytest.skip("PREFECT_API_URL points at an existing server: this test redeploys rlhf-train/quickstart")
+    import hashlib
+    import json
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (ArtifactCollectionFilter, ArtifactCollectionFilterKey, FlowRunFilter,
+                                               FlowRunFilterId)
+
+    from flows.runtime.artifacts import artifact_key
+    from flows.tools.submit import check_submission
+    from flows.training.train import train
+
+    env = _env(prefect_api, tmp_path / "prefect-home", pwd=tmp_path)
+    env.update(RLHF_INJECT_FAILURE="update_actor:1:kill-running", RLHF_WORKER_DIR=str(tmp_path / "markers"))
+    pool = _deploy_quickstart_on_a_fresh_pool(env)
+    run_name = f"retried-{uuid.uuid4().hex[:6]}"
+    tree = _tiny_config(tmp_path, tiny_inputs, run_name)
+    tree["trainer"].update(total_steps=3, checkpoint_every=1, max_attempts=2)
+    client = MlflowClient(tracking_uri=tree["tracking"]["tracking_uri"])
+    client.create_experiment("deployment-e2e", artifact_location=(tmp_path / "mlartifacts").as_uri())
+    overrides = _as_overrides(tree)
+    flow_run = submit("quickstart", overrides, REPO_ROOT / "prefect.yaml")
+    log = tmp_path / "worker.log"
+    worker = _start_worker(pool, env, tmp_path / "worker", log)
+    try:
+        finished = _wait_until_final(flow_run.id, worker, log)
+    finally:
+        _stop(worker)
+    assert finished.state.is_completed(), f"{finished.state}; worker output:\n{log.read_text()[-6000:]}"
+    assert (tmp_path / "markers" / "injected-kill-update_actor-1").exists()  # it was killed, once
+    assert finished.run_count == 2
+    states = _states(flow_run.id)
+    crashed = states.index(("CRASHED", "Crashed"))
+    assert ("SCHEDULED", "AwaitingRetry") in states[crashed:], states
+    assert states[-1] == ("COMPLETED", "Completed"), states
+
+    # The dead attempt's task run ended Crashed (the second attempt ran that stage again), none is left unfinished.
+    with get_client(sync_client=True) as prefect_client:
+        task_runs = prefect_client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+        assert task_runs and all(task_run.state.is_final() for task_run in task_runs), \
+            sorted((task_run.name, task_run.state.type.value) for task_run in task_runs)
+        names = sorted((task_run.name, task_run.state.type.value) for task_run in task_runs)
+        assert [name for name, state in names if state == "CRASHED"] == ["update_actor-1"], names
+        assert ("update_actor-1", "COMPLETED") in names, names
+        (table,) = prefect_client.read_latest_artifacts(artifact_filter=ArtifactCollectionFilter(
+            key=ArtifactCollectionFilterKey(any_=[artifact_key(check_submission("quickstart", overrides,
+                                                                                REPO_ROOT / "prefect.yaml"),
+                                                               "metrics")])))
+    rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    assert [row["step"] for row in rows] == [1, 2, 3], rows
+
+    layout = RunLayout(tree["run"]["storage_root"], run_name)
+    record = json.loads(Path(layout.run_dir, "run.json").read_text())
+    assert [(attempt["flow_run_id"], attempt["run_count"]) for attempt in record["attempts"]] == [
+        (str(flow_run.id), 1), (str(flow_run.id), 2)]
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("deployment-e2e").experiment_id],
+                                       filter_string=f"tags.`rlhf.run_name` = '{run_name}'")
+    assert mlflow_run.info.status == "FINISHED"
+    assert [metric.step for metric in client.get_metric_history(mlflow_run.info.run_id, "timing_s/step")] == [1, 2, 3]
+    rows_by_step = {row["step"]: row for row in rows}
+    for metric in client.get_metric_history(mlflow_run.info.run_id, "critic/score/mean"):
+        assert rows_by_step[metric.step]["critic/score/mean"] == pytest.approx(metric.value, rel=1e-4)
+
+    # The same config, never interrupted (in this process), ends with the same weights, bit for bit.
+    config = check_submission("quickstart", overrides, REPO_ROOT / "prefect.yaml")
+    baseline = config.model_copy(update={"run": config.run.model_copy(update={"storage_root": str(tmp_path / "baseline")})})
+    assert train(baseline, return_state=True).is_completed()
+
+    def weights(root: str) -> dict[str, str]:
+        files = sorted(Path(RunLayout(root, run_name).weights_dir("actor", 3)).glob("*.safetensors"))
+        assert files, root
+        return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in files}
+
+    assert weights(tree["run"]["storage_root"]) == weights(str(tmp_path / "baseline"))
+
+
+def test_a_deployment_run_that_crashes_every_time_ends_failed_after_max_attempts(prefect_api, tmp_path, tiny_inputs):
+    """A reward function that SIGKILLs its process crashes every attempt: with trainer.max_attempts=2 the run is
+    retried once, then ends Failed with a message naming the field, instead of looping."""
+    if os.environ.get("PREFECT_API_URL"):
+        pytest.skip("PREFECT_API_URL points at an existing server: this test redeploys rlhf-train/quickstart")
+    env = _env(prefect_api, tmp_path / "prefect-home", pwd=tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(Path(__file__).parent)])
+    pool = _deploy_quickstart_on_a_fresh_pool(env)
+    tree = _tiny_config(tmp_path, tiny_inputs, f"doomed-{uuid.uuid4().hex[:6]}")
+    tree["trainer"]["max_attempts"] = 2
+    tree["reward"] = {"function": "killing_reward:die"}
+    flow_run = submit("quickstart", _as_overrides(tree), REPO_ROOT / "prefect.yaml")
+    log = tmp_path / "worker.log"
+    worker = _start_worker(pool, env, tmp_path / "worker", log)
+    try:
+        finished = _wait_until_final(flow_run.id, worker, log)
+    finally:
+        _stop(worker)
+    assert finished.state.is_failed(), f"{finished.state}; worker output:\n{log.read_text()[-6000:]}"
+    assert "trainer.max_attempts=2" in finished.state.message, finished.state.message
+    assert finished.run_count == 2
+    assert [state for state in _states(flow_run.id) if state[0] == "CRASHED"] == [("CRASHED", "Crashed")] * 2
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:  # no task run of either attempt is left Running
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+    assert all(task_run.state.is_final() for task_run in task_runs), [(t.name, t.state.type) for t in task_runs]

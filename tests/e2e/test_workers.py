@@ -4,6 +4,7 @@ loads its model once, and a worker killed in the middle of a stage is replaced w
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 import threading
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from flows.runtime.console import PROGRESS_LOGGER
 from flows.runtime.worker import read_heartbeats
 from flows.training.registry import role_stages
 from flows.training.run import worker_pool
@@ -47,14 +49,36 @@ def _train_with_workers(config, prefect_api, during=None):
         return state, beats, pool
 
 
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def test_each_stage_runs_in_its_role_worker_which_loads_its_model_once(prefect_api, tmp_path, tiny_inputs,
                                                                         _config):
     """Also: the rollout's worker gets each policy streamed from the actor's worker (trainer.weight_sync=auto):
     with a checkpoint every 2 steps, version 1 is never stored, yet validation and the rollout of step 1 use it."""
     config = _config(tmp_path, tiny_inputs, "workers")
     config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"checkpoint_every": 2})})
-    state, beats, pool = _train_with_workers(config, prefect_api)
+    terminal, progress_logger = _Lines(), logging.getLogger(PROGRESS_LOGGER)  # the driver's (this process's) lines
+    level = progress_logger.level
+    progress_logger.addHandler(terminal)
+    progress_logger.setLevel(logging.INFO)  # as quiet_console sets it for `rlhf run`
+    try:
+        state, beats, pool = _train_with_workers(config, prefect_api)
+    finally:
+        progress_logger.removeHandler(terminal)
+        progress_logger.setLevel(level)
     assert state.is_completed(), state
+    # The workers' progress lines reach the driver's terminal, each once, named by role.
+    for line in ("[actor] loading the actor model ...", "[reference] loading the reference model ...",
+                 "[rollout] loading the rollout model (hf) ..."):
+        assert terminal.lines.count(line) == 1, terminal.lines
+    assert any(line.startswith("[rollout] rollout ready in ") for line in terminal.lines), terminal.lines
     by_role = {beat["role"]: beat for beat in beats}
     assert set(by_role) == {"rollout", "actor", "reference", "reward"}
     assert len({beat["pid"] for beat in beats}) == 4 and os.getpid() not in {beat["pid"] for beat in beats}

@@ -23,6 +23,11 @@ def test_the_filter_drops_task_lifecycle_and_engine_lines_and_keeps_the_rest():
     assert not keep(_record("prefect.flow_runs", "Finished in state Completed()"))
     assert not keep(_record("prefect.flow_runs", "Beginning flow run 'quickstart' for flow 'rlhf-train'"))
     assert not keep(_record("prefect.flow_runs", "warm-start step 4/10", rlhf_progress=True))  # printed already
+    # A stage submitted to a worker (`.delay()`): one per stage and step under trainer.execution=workers.
+    assert not keep(_record("prefect.tasks", "Created task run 'reward-3'. View it in the UI at 'http://x/runs/1'"))
+    assert not keep(_record("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend.",
+                            logging.WARNING))
+    assert keep(_record("vllm.engine", "the engine died", logging.ERROR))
     # The flow's own lines and everything at WARNING or above stay.
     assert keep(_record("prefect.flow_runs", "step 3/20 | score 0.125 | val 0.250"))
     assert keep(_record("prefect.flow_runs", "validation before RL: reward 0.000"))
@@ -63,3 +68,53 @@ def test_quiet_console_filters_console_handlers_only_and_progress_reaches_the_te
     finally:
         logger.removeHandler(api)
         terminal.filters.clear()
+
+
+def test_mlflow_info_lines_leave_the_terminal_and_its_warnings_stay(monkeypatch):
+    from mlflow.utils.logging_utils import MlflowFormatter
+
+    stream, other = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(stream)  # MLflow's own handler on its logger, as MLflow configures it
+    handler.setFormatter(MlflowFormatter(fmt="%(message)s"))
+    capture = logging.StreamHandler(other)  # someone else's handler there (pytest's capture): left alone
+    mlflow_logger = logging.getLogger("mlflow")
+    monkeypatch.setattr(mlflow_logger, "handlers", [handler, capture])
+    console.quiet_console()
+    logging.getLogger("mlflow.store.db.utils").info("Creating initial MLflow database tables...")
+    logging.getLogger("mlflow.system_metrics.system_metrics_monitor").info("Started monitoring system metrics.")
+    logging.getLogger("mlflow.tracking").warning("the tracking server is slow")
+    assert stream.getvalue() == "the tracking server is slow\n"
+    assert other.getvalue().splitlines() == ["Creating initial MLflow database tables...",
+                                             "Started monitoring system metrics.", "the tracking server is slow"]
+
+
+def test_long_work_says_what_it_does_while_it_lasts_and_quick_work_stays_silent(monkeypatch):
+    import re
+    import time
+
+    lines: list[str] = []
+    monkeypatch.setattr(console, "progress", lines.append)
+    with console.long_work("starting the engine ...", "starting the engine: {seconds:.1f} s so far",
+                           "engine ready in {seconds:.1f} s", every_s=0.2):
+        time.sleep(0.7)
+    assert lines[0] == "starting the engine ..."
+    assert 2 <= len(lines[1:-1]) <= 3 and all(re.fullmatch(r"starting the engine: 0\.[2-7] s so far", line)
+                                              for line in lines[1:-1]), lines
+    assert re.fullmatch(r"engine ready in 0\.[7-9] s", lines[-1]), lines
+    lines.clear()
+    with console.long_work("validation: 200 prompts", "{seconds}", "done", every_s=0.2, announce_after_s=1.0):
+        time.sleep(0.1)
+    assert lines == []  # ended before announce_after_s: nothing to say
+    with console.long_work("checkpoint at step 3", "checkpoint: {seconds:.1f} s so far", "", every_s=10,
+                           announce_after_s=0.2) as work:
+        time.sleep(0.5)
+        work.done = "checkpoint at step 3: written in {seconds:.1f} s"
+    assert len(lines) == 2 and re.fullmatch(r"checkpoint at step 3 \(0 s so far\)", lines[0]), lines
+    assert re.fullmatch(r"checkpoint at step 3: written in 0\.[5-9] s", lines[1]), lines
+    lines.clear()
+    try:
+        with console.long_work("export ...", "export: {seconds} s", "exported in {seconds:.1f} s"):
+            raise OSError("disk full")
+    except OSError:
+        pass
+    assert lines == ["export ..."]  # no `done` line for work that raised: the error says it

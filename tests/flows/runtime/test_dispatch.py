@@ -151,3 +151,48 @@ def test_a_planted_pickle_is_never_unpickled_by_the_driver(tmp_path):
         (tmp_path / "results" / name).write_bytes(pickle.dumps(_Payload(str(marker))))
     assert take_result("run-3", str(tmp_path)) == (False, None)
     assert not marker.exists()
+
+
+def test_the_driver_prints_each_progress_line_of_its_workers_once_with_the_role(monkeypatch):
+    from flows.runtime import dispatch
+    from flows.runtime.dispatch import ProgressRelay
+
+    shown: list[str] = []
+    monkeypatch.setattr(dispatch, "show", shown.append)
+    relay = ProgressRelay(since=1000.0)
+    rollout = {"role": "rollout", "host": "h", "pid": 7, "progress": [
+        [1, 990.0, "loading the rollout model (hf) ..."],  # before the run started (slack 5 s): an earlier run's
+        [2, 996.0, "starting the vLLM rollout engine ..."]]}
+    actor = {"role": "actor", "host": "h", "pid": 8, "progress": [[1, 1001.0, "loading the actor model ..."]]}
+    relay.relay([rollout, actor])
+    relay.relay([rollout, actor])  # read again: nothing new
+    rollout["progress"].append([3, 1030.0, "starting the vLLM rollout engine: 20 s so far"])
+    relay.relay([actor, rollout])
+    assert shown == ["[rollout] starting the vLLM rollout engine ...", "[actor] loading the actor model ...",
+                     "[rollout] starting the vLLM rollout engine: 20 s so far"]
+    replacement = {"role": "rollout", "host": "h", "pid": 9, "progress": [[1, 1040.0, "loading the rollout model ..."]]}
+    relay.relay([replacement])  # a new process numbers its lines from 1 again
+    assert shown[-1] == "[rollout] loading the rollout model ..."
+
+
+def test_a_workers_progress_lines_go_into_its_heartbeat_newest_kept(tmp_path):
+    import json
+    import logging
+
+    from flows.runtime.worker import PROGRESS_KEPT, Heartbeat, ProgressToHeartbeat
+
+    heartbeat = Heartbeat("actor", "cpu", str(tmp_path))
+    logger = logging.getLogger("rlhf.progress.test-heartbeat")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # this test's lines stay off the terminal
+    handler = ProgressToHeartbeat(heartbeat)
+    logger.addHandler(handler)
+    try:
+        for index in range(PROGRESS_KEPT + 3):
+            logger.info("warm-start step %d/100", index)
+    finally:
+        logger.removeHandler(handler)
+    (path,) = tmp_path.glob("actor-*.json")
+    lines = json.loads(path.read_text())["progress"]  # written at once, not at the next beat
+    assert [number for number, _, _ in lines] == list(range(4, PROGRESS_KEPT + 4))
+    assert lines[-1][2] == f"warm-start step {PROGRESS_KEPT + 2}/100"
