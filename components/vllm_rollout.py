@@ -25,7 +25,7 @@ from typing import Sequence
 from components.rollout import Generation, SamplingParams, logprob_prompts
 from components.weight_channel import ipc_payload
 from components.weight_stream import RemoteWeights, new_session
-from components.weights import InMemoryWeights, StaleWeightsError, pack_buckets
+from components.weights import BucketBuffers, InMemoryWeights, StaleWeightsError, pack_buckets
 
 WEIGHTS_BUCKET_BYTES = 512 * 2**20
 """Default size of one in-memory weights bucket (verl's update_weights_bucket_megabytes: 512)."""
@@ -139,6 +139,7 @@ class VLLMRolloutEngine:
         """Names this engine to an actor's worker streaming weights to it (components/weight_stream.py)."""
         self._ipc_visible: bool | None = None
         self._loaders: dict | None = None
+        self._bucket_buffers = BucketBuffers()  # the actor's side, when it lives in this process
         self.load_mode: str | None = None
         """How the last in-memory load went in the workers: 'direct' or 'layerwise' (components/vllm_worker.py)."""
         self.sleep_enabled = sleep
@@ -184,7 +185,7 @@ class VLLMRolloutEngine:
         count = 0
         tensors = source.tensors()  # raises StaleWeightsError before the engine is touched
         self.begin_load()
-        for bucket in pack_buckets(tensors, self.bucket_bytes):
+        for bucket in pack_buckets(tensors, self.bucket_bytes, self._bucket_buffers):
             self.load_bucket(bucket.specs, self._payload(bucket))
             count += 1
         self.finish_load()

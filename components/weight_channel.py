@@ -149,6 +149,23 @@ class GroupReceiver:
         return received
 
 
+_OPENED: dict[tuple, torch.UntypedStorage] = {}
+"""The senders' buffers this process has opened (newest last, a few kept): a sender that keeps its buffer
+(components.weights.BucketBuffers) shares the same handle every time, which is then mapped once."""
+_OPENED_KEPT = 4
+
+
+def _opened_storage(device_uuid: str, share: list) -> torch.UntypedStorage:
+    key = (device_uuid, *(item for item in share[1:6]))  # handle, size, offset, ref counter (not the event)
+    storage = _OPENED.pop(key, None)
+    if storage is None:
+        storage = torch.UntypedStorage._new_shared_cuda(*share)
+    _OPENED[key] = storage
+    while len(_OPENED) > _OPENED_KEPT:
+        _OPENED.pop(next(iter(_OPENED)))
+    return storage
+
+
 def open_payload(payload: dict, groups: GroupReceiver | None) -> tuple[torch.Tensor, bool]:
     """A bucket's flat bytes from its payload: (buffer, whether it is the sender's or a reused buffer that the
     next bucket overwrites: a loader that keeps tensors past this bucket must copy them)."""
@@ -161,7 +178,7 @@ def open_payload(payload: dict, groups: GroupReceiver | None) -> tuple[torch.Ten
             else list(payload["share"])
         share[0] = index
         with torch.cuda.device(index):
-            storage = torch.UntypedStorage._new_shared_cuda(*share)
+            storage = _opened_storage(payload["device_uuid"], share)
             received = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
             received.set_(storage, payload["offset"], (payload["nbytes"],), (1,))
         return received, True

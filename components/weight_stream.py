@@ -46,7 +46,7 @@ import torch
 
 from components.weight_channel import (COLLECTIVE_KIND, IPC_KIND, Channel, StreamError, broadcast, connect,
                                        default_address, encode_share, ipc_payload, make_group, seconds)
-from components.weights import compute_tensors, pack_buckets
+from components.weights import BucketBuffers, compute_tensors, pack_buckets
 
 
 class WeightsUnavailable(RuntimeError):
@@ -114,6 +114,7 @@ class WeightSender:
         self.next_message = 1
         self.groups: dict[str, tuple[str, object, str]] = {}  # session -> (prefix, group, backend)
         self._made = 0
+        self._buffers = BucketBuffers()  # the same IPC handle from one hand-over to the next
         self._lock = threading.Lock()
         self._current: _Published | None = None
         self._thread: threading.Thread | None = None
@@ -331,7 +332,7 @@ class WeightSender:
             group = self._group(plan, ack_timeout_s) if plan["method"] == COLLECTIVE_KIND else None
         except StreamError as error:
             group, failed = None, error
-        for bucket in pack_buckets(tensors, bucket_bytes):
+        for bucket in pack_buckets(tensors, bucket_bytes, self._buffers):
             if failed is not None:
                 continue
             try:
@@ -404,6 +405,8 @@ class RemoteWeights:
         self.timeout_s, self.bucket_timeout_s, self.connect_timeout_s = timeout_s, bucket_timeout_s, connect_timeout_s
         self._store = None
         self._channel: Channel | None = None
+        self.waited_s = 0.0
+        """Seconds the last pull waited for the sender's answer."""
 
     def _connected(self, timeout_s: float | None = None):
         """The store of the current channel, waiting up to `timeout_s` (connect_timeout_s) for one to appear
@@ -460,7 +463,9 @@ class RemoteWeights:
                 if self._read_channel() != channel:
                     raise _Moved()
 
+        asked = time.perf_counter()
         reply = json.loads(_poll(store, f"reply/{number}", deadline, moved))
+        self.waited_s = time.perf_counter() - asked
         if reply["status"] != "stream":
             raise WeightsUnavailable(f"the actor's worker holds policy version {reply.get('holds')}, "
                                      f"not {self.version}")

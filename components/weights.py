@@ -62,11 +62,44 @@ def _aligned(size: int, alignment: int = 256) -> int:
     return (size + alignment - 1) // alignment * alignment
 
 
-def pack_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+class BucketBuffers:
+    """The flat buffers buckets are packed into, kept from one hand-over to the next (one per device). On a GPU
+    each is allocated in a memory pool of its own: its CUDA IPC handle then covers that buffer alone (not a
+    large segment of the caching allocator that training left behind), stays the same from one hand-over to
+    the next, and a receiver that keeps it open (components/weight_channel.py) maps it once."""
+
+    def __init__(self):
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._pools: list = []
+
+    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        buffer = self._buffers.get(device)
+        if buffer is None or buffer.numel() < nbytes:
+            self._buffers.pop(device, None)
+            buffer = self._allocate(nbytes, device)
+            self._buffers[device] = buffer
+        return buffer
+
+    def _allocate(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if device.type == "cuda" and hasattr(torch.cuda, "MemPool"):
+            try:
+                pool = torch.cuda.MemPool()
+                with torch.cuda.use_mem_pool(pool, device):
+                    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                self._pools.append(pool)
+                return buffer
+            except (RuntimeError, TypeError, AttributeError):  # an older torch: the caching allocator's block
+                pass
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def pack_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 buffers: BucketBuffers | None = None) -> Iterator[Bucket]:
     """Pack `tensors` into buckets of at most `bucket_bytes` (a tensor larger than that gets a bucket of its
-    own). One buffer is reused: a bucket is valid until the consumer asks for the next one, so a consumer
-    must be done with a bucket (on the GPU too) before it iterates on."""
-    buffer: torch.Tensor | None = None
+    own). One buffer is reused (from `buffers`, kept across calls, when given): a bucket is valid until the
+    consumer asks for the next one, so a consumer must be done with a bucket (on the GPU too) before it
+    iterates on."""
+    buffers = BucketBuffers() if buffers is None else buffers
     bucket: Bucket | None = None
     for name, tensor in tensors:
         size = tensor.numel() * tensor.element_size()
@@ -74,9 +107,7 @@ def pack_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int)
             yield bucket
             bucket = None
         if bucket is None:
-            if buffer is None or buffer.device != tensor.device or buffer.numel() < size:
-                buffer = torch.empty(max(bucket_bytes, size), dtype=torch.uint8, device=tensor.device)
-            bucket = Bucket(buffer)
+            bucket = Bucket(buffers.get(max(bucket_bytes, size), tensor.device))
         view = bucket.buffer[bucket.nbytes:bucket.nbytes + size]
         view.view(tensor.dtype).view(tensor.shape).copy_(tensor.contiguous().view(tensor.shape))
         bucket.specs.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), bucket.nbytes))

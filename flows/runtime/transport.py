@@ -306,7 +306,11 @@ class StreamTransport(MemoryTransport):
                       "reading its stored copy", flush=True)
                 return {**self._stored_exactly(engine, version, why=str(error)), "weights/stream_fallback": 1.0}
             engine.weights_version = version
-            return {"timing_s/weight_sync": time.perf_counter() - started}
+            # the parts of it: the wait for the sender's answer, the engine's wake and load (vLLM)
+            parts = {name: value for name, value in getattr(engine, "last_metrics", {}).items()
+                     if name in ("timing_s/wake", "timing_s/weight_load")}
+            return {"timing_s/weight_sync": time.perf_counter() - started, "timing_s/weight_wait": remote.waited_s,
+                    **parts}
         finally:
             remote.finish()
 

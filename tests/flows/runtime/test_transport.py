@@ -261,7 +261,7 @@ def test_streamed_sync_gives_the_engine_the_actors_live_weights_and_ends_the_sen
     metrics = transport.sync_weights(engine, 2, "rollout-2-x")
     thread.join(timeout=30)
     assert not thread.is_alive() and sent["weights/streams"] == 1.0
-    assert metrics.keys() == {"timing_s/weight_sync"} and engine.weights_version == 2
+    assert metrics.keys() == {"timing_s/weight_sync", "timing_s/weight_wait"} and engine.weights_version == 2
     original = tiny_model.state_dict()
     assert all(torch.equal(tensor, original[name]) for name, tensor in engine.model.state_dict().items())
     assert not (tmp_path / "r" / "weights" / "actor" / "2").exists()
