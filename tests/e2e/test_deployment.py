@@ -312,6 +312,19 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
+def _submit_and_run(pool: str, env: dict[str, str], tmp_path: Path, overrides: list[str]):
+    """Submit the quickstart deployment with `overrides`, run a process worker of `pool` until the flow run
+    ends; returns (the submitted flow run, the finished one, the worker's log)."""
+    flow_run = submit("quickstart", overrides, REPO_ROOT / "prefect.yaml")
+    log = tmp_path / "worker.log"
+    worker = _start_worker(pool, env, tmp_path / "worker", log)
+    try:
+        finished = _wait_until_final(flow_run.id, worker, log)
+    finally:
+        _stop(worker)
+    return flow_run, finished, log
+
+
 def _wait_until_final(flow_run_id, worker: subprocess.Popen, log: Path, timeout_s: float = 540):
     """The flow run once Completed or Failed (a Crashed one is retried, so Crashed is not final here)."""
     import time
@@ -374,13 +387,7 @@ def test_a_crashed_deployment_run_is_retried_and_resumes_to_the_uninterrupted_we
     client = MlflowClient(tracking_uri=tree["tracking"]["tracking_uri"])
     client.create_experiment("deployment-e2e", artifact_location=(tmp_path / "mlartifacts").as_uri())
     overrides = _as_overrides(tree)
-    flow_run = submit("quickstart", overrides, REPO_ROOT / "prefect.yaml")
-    log = tmp_path / "worker.log"
-    worker = _start_worker(pool, env, tmp_path / "worker", log)
-    try:
-        finished = _wait_until_final(flow_run.id, worker, log)
-    finally:
-        _stop(worker)
+    flow_run, finished, log = _submit_and_run(pool, env, tmp_path, overrides)
     assert finished.state.is_completed(), f"{finished.state}; worker output:\n{log.read_text()[-6000:]}"
     assert (tmp_path / "markers" / "injected-kill-update_actor-1").exists()  # it was killed, once
     assert finished.run_count == 2
@@ -440,13 +447,7 @@ def test_a_deployment_run_that_crashes_every_time_ends_failed_after_max_attempts
     tree = _tiny_config(tmp_path, tiny_inputs, f"doomed-{uuid.uuid4().hex[:6]}")
     tree["trainer"]["max_attempts"] = 2
     tree["reward"] = {"function": "killing_reward:die"}
-    flow_run = submit("quickstart", _as_overrides(tree), REPO_ROOT / "prefect.yaml")
-    log = tmp_path / "worker.log"
-    worker = _start_worker(pool, env, tmp_path / "worker", log)
-    try:
-        finished = _wait_until_final(flow_run.id, worker, log)
-    finally:
-        _stop(worker)
+    flow_run, finished, log = _submit_and_run(pool, env, tmp_path, _as_overrides(tree))
     assert finished.state.is_failed(), f"{finished.state}; worker output:\n{log.read_text()[-6000:]}"
     assert "trainer.max_attempts=2" in finished.state.message, finished.state.message
     assert finished.run_count == 2
