@@ -16,7 +16,7 @@ import torch
 
 from components.models import load_causal_lm, load_tokenizer
 from components.weight_channel import GroupReceiver, gpu_uuids, open_payload
-from components.weight_stream import new_session
+from components.weight_pull import new_session
 from components.weights import unpack_bucket
 from storage import padded_tensor
 
@@ -113,7 +113,7 @@ class HFRolloutEngine:
                              f"unexpected {unexpected[:3]}, other shapes {mismatched[:3]}")
         self.model.load_state_dict(state, strict=False)
 
-    # -- loading buckets (components.weight_stream.Loader) -----------------------------------------
+    # -- loading buckets (components.weight_pull.Loader) -----------------------------------------
 
     def describe_loaders(self) -> dict:
         device = next(self.model.parameters()).device

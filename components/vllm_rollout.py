@@ -24,7 +24,7 @@ from typing import Sequence
 
 from components.rollout import Generation, SamplingParams, logprob_prompts
 from components.weight_channel import ipc_payload
-from components.weight_stream import RemoteWeights, new_session
+from components.weight_pull import RemoteWeights, new_session
 from components.weights import BucketBuffers, InMemoryWeights, StaleWeightsError, pack_buckets
 
 WEIGHTS_BUCKET_BYTES = 512 * 2**20
@@ -205,7 +205,7 @@ class VLLMRolloutEngine:
                 return ipc_payload(buffer, bucket.nbytes)
         return {"kind": "bytes", "data": buffer[:bucket.nbytes].cpu().numpy().tobytes()}
 
-    # -- loading buckets (components.weight_stream.Loader) -----------------------------------------
+    # -- loading buckets (components.weight_pull.Loader) -----------------------------------------
 
     def describe_loaders(self) -> dict:
         """Where the workers compute, the GPUs every one of them sees, and how many they are (asked once)."""

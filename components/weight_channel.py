@@ -10,7 +10,9 @@ import datetime
 import json
 import os
 import socket
+import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 
@@ -189,3 +191,22 @@ def open_payload(payload: dict, groups: GroupReceiver | None) -> tuple[torch.Ten
     if kind == "bytes":
         return torch.frombuffer(bytearray(payload["data"]), dtype=torch.uint8), False
     raise ValueError(f"unknown weights payload kind {kind!r}")
+
+
+def poll(store, key: str, deadline: float, check: Callable[[], None] | None = None) -> bytes:
+    """The value of `key` once it is set: polled with a growing pause (1 ms to 50 ms), so that a bucket's
+    ack costs about a round trip, without the store's timeout warnings. `check` runs between polls and may
+    raise; TimeoutError at `deadline`; StreamError when the store is gone."""
+    pause = 0.001
+    while True:
+        try:
+            if store.check([key]):
+                return store.get(key)
+        except RuntimeError as error:  # DistNetworkError: the store's process is gone
+            raise StreamError(f"the weights channel closed while waiting for {key!r}: {error}") from error
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {key!r} on the weights channel in time")
+        if check is not None:
+            check()
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.05)

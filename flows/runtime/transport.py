@@ -33,7 +33,8 @@ import pyarrow as pa
 from components.distributed import broadcast_call, full_state_dict, is_distributed, is_writer
 from components.precision import save_compute_copy
 from components.weight_channel import Channel, StreamError
-from components.weight_stream import RemoteWeights, WeightSender, WeightsUnavailable, abort
+from components.weight_pull import RemoteWeights, WeightsUnavailable, abort
+from components.weight_stream import WeightSender
 from components.weights import InMemoryWeights, compute_tensors, copy_files, write_copy
 from flows.config import Config, layout_for
 from flows.runtime.recovery import prune_weights

@@ -18,7 +18,7 @@ import torch
 
 from components.rollout import HFRolloutEngine
 from components.weight_channel import Channel, StreamError
-from components.weight_stream import RemoteWeights, WeightsUnavailable, abort
+from components.weight_pull import RemoteWeights, WeightsUnavailable, abort
 
 SENDER = Path(__file__).with_name("stream_sender.py")
 BUCKET_BYTES = 64 * 1024  # the tiny model is ~0.5 MB in float32: several buckets
