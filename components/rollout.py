@@ -16,7 +16,7 @@ import torch
 
 from components.models import load_causal_lm, load_tokenizer
 from components.weight_channel import GroupReceiver, gpu_uuids, open_payload
-from components.weight_pull import new_session
+from components.weight_pull import RemoteWeights, new_session
 from components.weights import unpack_bucket
 from storage import padded_tensor
 
@@ -88,7 +88,7 @@ class HFRolloutEngine:
         the actor's live model in memory (components.weights.InMemoryWeights), tensor by tensor."""
         from safetensors.torch import load_file
 
-        if hasattr(source, "receive_into"):  # streamed from the actor's worker (components.weight_stream)
+        if isinstance(source, RemoteWeights):  # streamed from the actor's worker (components.weight_pull)
             source.receive_into(self)
             return
         if not isinstance(source, str):

@@ -137,7 +137,6 @@ class VLLMRolloutEngine:
         self.bucket_bytes = bucket_bytes
         self.weight_session = new_session()
         """Names this engine to an actor's worker streaming weights to it (components/weight_stream.py)."""
-        self._ipc_visible: bool | None = None
         self._loaders: dict | None = None
         self._bucket_buffers = BucketBuffers()  # the actor's side, when it lives in this process
         self.load_mode: str | None = None
@@ -197,12 +196,9 @@ class VLLMRolloutEngine:
         import torch
 
         buffer = bucket.buffer
-        if buffer.is_cuda:
-            uuid = str(torch.cuda.get_device_properties(buffer.device).uuid)
-            if self._ipc_visible is None:
-                self._ipc_visible = uuid in self.describe_loaders()["gpus"]
-            if self._ipc_visible:
-                return ipc_payload(buffer, bucket.nbytes)
+        if buffer.is_cuda and (str(torch.cuda.get_device_properties(buffer.device).uuid)
+                               in self.describe_loaders()["gpus"]):
+            return ipc_payload(buffer, bucket.nbytes)
         return {"kind": "bytes", "data": buffer[:bucket.nbytes].cpu().numpy().tobytes()}
 
     # -- loading buckets (components.weight_pull.Loader) -----------------------------------------

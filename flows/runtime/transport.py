@@ -278,8 +278,7 @@ class StreamTransport(MemoryTransport):
         return sender.serve(
             sync=sync, version=version, holds=holds, tensors=lambda: compute_tensors(model, compute_dtype),
             device=next(model.parameters()).device, bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s,
-            ack_timeout_s=ACK_TIMEOUT_S, writer=is_writer(),
-            decide=broadcast_call if is_distributed() else (lambda plan: plan), finished=finished)
+            ack_timeout_s=ACK_TIMEOUT_S, writer=is_writer(), decide=broadcast_call, finished=finished)
 
     def _write_channel(self, channel: Channel) -> None:
         if self._read_channel() != channel:
