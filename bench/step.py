@@ -244,7 +244,9 @@ def run_product(args) -> dict:
         "logprob_diff_mean": after_warmup("rollout/logprob_diff_mean"),
         # per step: the weights' hand-over (rollout side, wake included), its publication and the actor's sending
         "weights_s_all": {name: after_warmup(f"timing_s/{name}") for name in (
-            "weight_sync", "save_weights", "send_weights", "weight_wait", "wake", "weight_load")},
+            "weight_sync", "save_weights", "send_weights", "weight_wait", "wake", "weight_load", "weight_receive",
+            "weight_apply")},
+        "weights_direct": after_warmup("weights/direct"),
         "stream_fallbacks": len(after_warmup("weights/stream_fallback")),
         "preset": args.preset, "parameters": parameter_count(model_config),
         "compute_dtype": getattr(model_section, "compute_dtype", getattr(model_section, "dtype", None)),

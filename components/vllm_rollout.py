@@ -168,7 +168,8 @@ class VLLMRolloutEngine:
         started = time.perf_counter()
         if isinstance(source, str):
             self.llm.collective_rpc("rlhf_reload_path", args=(str(source),))
-            self.last_metrics.pop("weights/buckets", None)
+            for name in ("weights/buckets", "weights/direct", "timing_s/weight_receive", "timing_s/weight_apply"):
+                self.last_metrics.pop(name, None)
         elif isinstance(source, RemoteWeights):
             self.last_metrics["weights/buckets"] = float(source.receive_into(self))
         else:
@@ -222,7 +223,12 @@ class VLLMRolloutEngine:
         self.llm.collective_rpc("rlhf_load_bucket", args=(specs, payload))
 
     def finish_load(self) -> None:
-        self.llm.collective_rpc("rlhf_finish_load")
+        parts = [part for part in self.llm.collective_rpc("rlhf_finish_load") if part]
+        # the slowest worker's parts of the load (timing_s/weight_receive, _apply, ...; weights/direct: 1 or 0)
+        for name in ("receive", "apply"):
+            if parts:
+                self.last_metrics[f"timing_s/weight_{name}"] = max(float(part.get(name, 0.0)) for part in parts)
+        self.last_metrics["weights/direct"] = 1.0 if self.load_mode == "direct" else 0.0
 
     # -- memory ----------------------------------------------------------------------------------
 

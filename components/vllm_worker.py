@@ -13,6 +13,7 @@ the actor's own process).
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -28,9 +29,9 @@ def _quiet_layerwise():
 class WeightReceiver:
     """Mixed into vLLM's Worker class: `self.model_runner` is the worker's.
 
-    In-memory loading goes one of two ways, chosen at `begin`:
-    - direct (every parameter still has its checkpoint-format weight loader and the model is not quantized:
-      bf16/fp32 models on CUDA): each bucket is given to the model's loaders, which copy into the live
+    In-memory loading goes one of two ways, chosen at `begin` (`direct_loading`):
+    - direct (an unquantized model on a GPU, whose live tensors are in checkpoint format: nothing is repacked
+      after loading): each bucket is given to the model's `load_weights`, whose loaders copy into the live
       tensors at once, as verl's and OpenRLHF's weight sync do;
     - layerwise (parameters repacked into a kernel format after loading, as vLLM's CPU backend does): vLLM's
       own in-place reload (`reload_weights`) split over calls: `begin` puts every layer back in checkpoint
@@ -65,19 +66,22 @@ class WeightReceiver:
         """Prepare an in-memory load; returns the way it goes ('direct' or 'layerwise')."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        started = time.perf_counter()
         model = self.model_runner.get_model()
-        self._rlhf_direct = (getattr(self.model_runner.model_config, "quantization", None) is None
-                             and all(hasattr(parameter, "weight_loader") for parameter in model.parameters()))
+        self._rlhf_direct = direct_loading(model, getattr(self.model_runner, "model_config", None))
         if not self._rlhf_direct:
             initialize_layerwise_reload(model)
+        self._rlhf_parts = {"begin": time.perf_counter() - started, "receive": 0.0, "apply": 0.0, "buckets": 0}
         return "direct" if self._rlhf_direct else "layerwise"
 
     def rlhf_load_bucket(self, specs: list, payload: dict) -> int:
         """Give one packed bucket of checkpoint-named tensors to the model's weight loaders (each
         tensor-parallel rank takes its shard); returns how many tensors it held. The bucket is finished
         with on return (GPU copies done): the sender reuses its buffer next."""
+        started = time.perf_counter()
         model = self.model_runner.get_model()
         received, transient = open_payload(payload, getattr(self, "_rlhf_groups", None))
+        opened = time.perf_counter()
         # Layerwise, a layer whose weights straddle two buckets keeps the first part until the rest arrives:
         # our own copy of a buffer the next bucket overwrites (the sender's, or the group's). Direct loaders
         # copy at once.
@@ -86,11 +90,19 @@ class WeightReceiver:
         if buffer.is_cuda:
             torch.cuda.synchronize()
         del received, buffer
+        parts = getattr(self, "_rlhf_parts", None)
+        if parts is not None:
+            parts["receive"] += opened - started
+            parts["apply"] += time.perf_counter() - opened
+            parts["buckets"] += 1
         return len(specs)
 
-    def rlhf_finish_load(self) -> None:
+    def rlhf_finish_load(self) -> dict:
+        """Finish an in-memory load; returns its parts in seconds: begin, receive (opening or receiving the
+        buckets), apply (the loaders' copies, layerwise processing included), finish."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        started = time.perf_counter()
         layerwise = _quiet_layerwise()
         level = layerwise.level
         layerwise.setLevel(logging.ERROR)
@@ -103,6 +115,9 @@ class WeightReceiver:
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
         self._rlhf_after_load()
+        parts = dict(getattr(self, "_rlhf_parts", None) or {})
+        parts["finish"] = time.perf_counter() - started
+        return parts
 
     def _rlhf_after_load(self) -> None:
         """On the CPU backend the LM head keeps a prepacked copy of its weight (`cpu_linear`), made once at
@@ -112,3 +127,29 @@ class WeightReceiver:
         method = getattr(head, "quant_method", None)
         if head is not None and hasattr(head, "cpu_linear") and method is not None:
             method.process_weights_after_loading(head)
+
+
+NO_OP_ON_GPU = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
+"""vLLM methods whose processing after loading does nothing on a GPU (on the CPU backend they repack)."""
+
+
+def direct_loading(model: torch.nn.Module, model_config=None) -> bool:
+    """Whether a load may go straight into the live tensors: the model computes on a GPU, is not quantized,
+    and its layers keep their tensors as loaded (`kept_as_loaded`). Parameters without a loader of their own
+    (norms) take vLLM's default, a plain copy."""
+    first = next(model.parameters(), None)
+    if first is None or first.device.type != "cuda":
+        return False
+    if model_config is not None and getattr(model_config, "quantization", None) is not None:
+        return False
+    return kept_as_loaded(model)
+
+
+def kept_as_loaded(model: torch.nn.Module) -> bool:
+    """Whether every layer's method leaves its tensors as loaded on a GPU (`NO_OP_ON_GPU`; attention without a
+    quantized KV cache has none)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and type(method).__name__ not in NO_OP_ON_GPU:
+            return False
+    return True

@@ -308,7 +308,8 @@ class StreamTransport(MemoryTransport):
             engine.weights_version = version
             # the parts of it: the wait for the sender's answer, the engine's wake and load (vLLM)
             parts = {name: value for name, value in getattr(engine, "last_metrics", {}).items()
-                     if name in ("timing_s/wake", "timing_s/weight_load")}
+                     if name in ("timing_s/wake", "timing_s/weight_load", "timing_s/weight_receive",
+                                 "timing_s/weight_apply", "weights/direct")}
             return {"timing_s/weight_sync": time.perf_counter() - started, "timing_s/weight_wait": remote.waited_s,
                     **parts}
         finally:

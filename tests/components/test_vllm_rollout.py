@@ -201,6 +201,9 @@ def test_weights_streamed_from_a_live_model_replace_every_tensor(engine, model_p
     try:
         engine.load_weights(published)
         assert engine.last_metrics["weights/buckets"] > 2
+        # a GPU engine loads straight into its live tensors; the CPU backend repacks them (layerwise reload)
+        assert engine.last_metrics["weights/direct"] == (1.0 if DEVICE == "cuda" else 0.0)
+        assert engine.last_metrics["timing_s/weight_apply"] > 0
         assert engine.weights_source is published and engine.weights_path is None
         generations = engine.generate(PROMPTS, sampled)
         assert _max_gap(generations, live) < 1e-3
@@ -330,3 +333,23 @@ def test_preloading_vllm_records_what_its_import_changes_and_leaves_the_environm
     assert preloaded["unchanged"]
     assert preloaded["recorded"] == plain
     assert preloaded["replayed"] == {key: value for key, value in plain.items() if value is not None}
+
+
+def test_direct_loading_only_where_layers_keep_their_tensors_as_loaded():
+    """Loading straight into the live tensors is right only where nothing repacks them after loading: vLLM's
+    unquantized linear and embedding methods on a GPU. A quantized method (any other) needs the layerwise
+    reload; so does a model on the CPU backend, whatever its methods."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from components.vllm_worker import direct_loading, kept_as_loaded
+
+    class Fp8LinearMethod:  # what a quantized checkpoint's layers carry (named as vLLM's)
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    model[0].quant_method, model[1].quant_method = UnquantizedEmbeddingMethod(), UnquantizedLinearMethod()
+    assert kept_as_loaded(model)
+    assert not direct_loading(model)  # on the CPU
+    model[1].quant_method = Fp8LinearMethod()
+    assert not kept_as_loaded(model)
