@@ -54,6 +54,7 @@ class RemoteWeights:
         self._channel: Channel | None = None
         self.waited_s = 0.0
         """Seconds the last pull waited for the sender's answer."""
+        self._finished = False
 
     def _connected(self, timeout_s: float | None = None):
         """The store of the current channel, waiting up to `timeout_s` (connect_timeout_s) for one to appear
@@ -136,7 +137,10 @@ class RemoteWeights:
 
     def finish(self) -> None:
         """Tell the sender this sync needs nothing more (best effort: a sender not there yet sees the stage's
-        output committed instead)."""
+        output committed instead); once."""
+        if self._finished:
+            return
+        self._finished = True
         try:
             self._post({"kind": "done"}, timeout_s=2.0)
         except (StreamError, RuntimeError):

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file as safetensors_file
 
 from components.weights import InMemoryWeights
 from flows.config import build_config
@@ -165,6 +166,37 @@ def test_memory_sync_streams_the_live_model_and_stores_only_checkpoint_and_final
     assert reference
 
 
+def _committed_within(folder, seconds: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not (folder / "_COMMITTED").exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_stored_copy_is_made_after_its_version_reached_the_rollout(tmp_path, tiny_model):
+    """The copy's snapshot would slow the hand-over down (GPU reads, host copies): it waits for the rollout to
+    hold the version, then is written without anyone asking for it."""
+    config = build_config({"run": {"name": "r", "storage_root": str(tmp_path)},
+                           "trainer": {"total_steps": 5, "checkpoint_every": 2}})
+    transport, engine = transport_for(config), _Receiver()
+    folder = tmp_path / "r" / "weights" / "actor" / "2"
+    assert transport.publish_weights(tiny_model, 2, torch.float32) == str(folder)
+    assert not _committed_within(folder, 1.0)  # a tiny model's copy takes milliseconds: it is waiting
+    transport.sync_weights(engine, 2)
+    assert engine.loaded == [("memory", 2)] and _committed_within(folder, 30.0)
+    # A version the rollout never gets (no validation after the last step) is made when the export asks.
+    last = tmp_path / "r" / "weights" / "actor" / "4"
+    transport.withdraw_weights()
+    transport.publish_weights(tiny_model, 4, torch.float32)
+    assert not _committed_within(last, 0.5)
+    transport.flush()
+    assert (last / "_COMMITTED").exists()
+
+
 def test_memory_sync_reads_only_exactly_the_stored_version_once_the_model_moved_on(tmp_path, tiny_model):
     config = build_config({"run": {"name": "r", "storage_root": str(tmp_path)},
                            "trainer": {"total_steps": 9, "checkpoint_every": 3}})
@@ -290,3 +322,18 @@ def test_streamed_sync_reads_the_stored_copy_of_exactly_the_version_when_the_act
         transport.sync_weights(_engine_of(tiny_model), 4, "rollout-4-x")
     thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def test_a_streamed_versions_stored_copy_is_made_once_the_sender_is_done(tmp_path, tiny_model):
+    transport = _streaming(tmp_path)
+    folder = tmp_path / "r" / "weights" / "actor" / "3"
+    transport.publish_weights(tiny_model, 3, torch.float32)  # checkpoint step 3: a stored copy is due
+    assert not _committed_within(folder, 1.0)
+    engine = _engine_of(tiny_model)
+    thread, sent = _send_in_background(transport, tiny_model, 3, "rollout-3-x")
+    transport.sync_weights(engine, 3, "rollout-3-x")
+    thread.join(timeout=30)
+    assert not thread.is_alive() and sent["weights/streams"] == 1.0
+    assert _committed_within(folder, 30.0)
+    copied = safetensors_file(folder / "model.safetensors")
+    assert copied and all(torch.equal(copied[name], tiny_model.state_dict()[name]) for name in copied)
