@@ -52,17 +52,18 @@
 #   bash bench/gpu-session.sh c        GPU 0: bench/rollout.py, then product PPO
 #                                      GPU 1: product GRPO, then product GRPO with model.fused_logprobs=false
 # Single-GPU runs of one phase share the host (CPUs, PCIe) but not a GPU. Results (JSON; logs packed in
-# $OUT/logs.tgz with the role workers' logs; log tails printed)
+# $OUT/logs-<phases>.tgz with the role workers' logs; log tails printed)
 # go to $OUT (default bench/results); the last line prints one table of every step result so far.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STARTED=$SECONDS
 OUT=${OUT:-bench/results}
-LOGS=$OUT/logs  # every log, and the role workers' logs (.rlhf/logs), packed into $OUT/logs.tgz after each run:
+LOGS=$OUT/logs  # every log, and the role workers' logs (.rlhf/logs), packed into $OUT/logs-<phases>.tgz after each run:
 mkdir -p "$OUT" "$LOGS"  # a lent GPU machine sends back at most 8 files
+PHASES=$(echo "$*" | tr ' ' '-')-$(date +%H%M%S)
 pack_logs() {
   mkdir -p "$LOGS/workers" && cp -r .rlhf/logs/. "$LOGS/workers/" 2>/dev/null
-  tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null
+  tar czf "$OUT/logs-$PHASES.tgz" -C "$OUT" logs 2>/dev/null  # one archive per invocation (two in one call)
 }
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}  # engine start and scheduler lines in the logs
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 MLFLOW_ENABLE_TELEMETRY=false

@@ -257,6 +257,9 @@ def run_product(args) -> dict:
         "critic_update_rms_ratio_all": update_rms["critic"],
         "run_dir": run_dir,
     }
+    if args.out:  # the steps' numbers stand even if the call's time runs out during the comparison below
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({**result, "weights_compared": False}, default=str, indent=2) + "\n")
     # Over all total_steps optimizer steps, warm-up included (as bench/trl_grpo.py's comparison).
     result.update(weight_change(model_dir, run_dir, total_steps))
     if not args.keep_work:

@@ -105,7 +105,8 @@ def _progress_line(step: int, total: int, metrics: dict[str, float]) -> str:
     parts.append(f"kl {metrics.get('actor/ppo_kl', 0.0):.4f}")
     parts.append(f"len {metrics.get('response_length/mean', 0.0):.1f}")
     parts.append(" ".join(f"{name[9:]} {metrics[name]:.2f}s" for name in
-                          ("timing_s/gen", "timing_s/update_actor", "timing_s/step") if name in metrics))
+                          ("timing_s/gen", "timing_s/weight_sync", "timing_s/update_actor", "timing_s/step")
+                          if name in metrics))
     return " | ".join(parts)
 
 
