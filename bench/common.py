@@ -166,8 +166,13 @@ def emit(result: dict, path: str | None = None) -> None:
     text = json.dumps(result, default=str, sort_keys=True)
     print("RESULT " + text, flush=True)
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(result, default=str, indent=2, sort_keys=True) + "\n")
+        write_result(result, path)
+
+
+def write_result(result: dict, path: str) -> None:
+    """The result as indented JSON at `path`."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, default=str, indent=2, sort_keys=True) + "\n")
 
 
 def _is_bf16_model_dir(path: Path) -> bool:

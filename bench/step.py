@@ -55,6 +55,7 @@ from bench.common import (  # noqa: E402
     markdown_table,
     measure_bf16_matmul_tflops,
     train_flops_per_token,
+    write_result,
 )
 from bench.rollout import write_fixed_prompts  # noqa: E402
 
@@ -258,8 +259,7 @@ def run_product(args) -> dict:
         "run_dir": run_dir,
     }
     if args.out:  # the steps' numbers stand even if the call's time runs out during the comparison below
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({**result, "weights_compared": False}, default=str, indent=2) + "\n")
+        write_result({**result, "weights_compared": False}, args.out)
     # Over all total_steps optimizer steps, warm-up included (as bench/trl_grpo.py's comparison).
     result.update(weight_change(model_dir, run_dir, total_steps))
     if not args.keep_work:

@@ -24,7 +24,7 @@ from typing import Sequence
 
 from components.rollout import Generation, SamplingParams, logprob_prompts
 from components.weight_channel import ipc_payload
-from components.weight_pull import RemoteWeights, new_session
+from components.weight_pull import LOAD_PARTS, RemoteWeights, new_session
 from components.weights import BucketBuffers, InMemoryWeights, StaleWeightsError, pack_buckets
 
 WEIGHTS_BUCKET_BYTES = 512 * 2**20
@@ -168,7 +168,7 @@ class VLLMRolloutEngine:
         started = time.perf_counter()
         if isinstance(source, str):
             self.llm.collective_rpc("rlhf_reload_path", args=(str(source),))
-            for name in ("weights/buckets", "weights/direct", "timing_s/weight_receive", "timing_s/weight_apply"):
+            for name in ("weights/buckets", *LOAD_PARTS):
                 self.last_metrics.pop(name, None)
         elif isinstance(source, RemoteWeights):
             self.last_metrics["weights/buckets"] = float(source.receive_into(self))
@@ -223,11 +223,10 @@ class VLLMRolloutEngine:
         self.llm.collective_rpc("rlhf_load_bucket", args=(specs, payload))
 
     def finish_load(self) -> None:
-        parts = [part for part in self.llm.collective_rpc("rlhf_finish_load") if part]
-        # the slowest worker's parts of the load (timing_s/weight_receive, _apply, ...; weights/direct: 1 or 0)
+        parts = self.llm.collective_rpc("rlhf_finish_load")
+        # the slowest worker's parts of the load (LOAD_PARTS)
         for name in ("receive", "apply"):
-            if parts:
-                self.last_metrics[f"timing_s/weight_{name}"] = max(float(part.get(name, 0.0)) for part in parts)
+            self.last_metrics[f"timing_s/weight_{name}"] = max(part[name] for part in parts)
         self.last_metrics["weights/direct"] = 1.0 if self.load_mode == "direct" else 0.0
 
     # -- memory ----------------------------------------------------------------------------------

@@ -66,12 +66,11 @@ class WeightReceiver:
         """Prepare an in-memory load; returns the way it goes ('direct' or 'layerwise')."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        started = time.perf_counter()
         model = self.model_runner.get_model()
         self._rlhf_direct = direct_loading(model, getattr(self.model_runner, "model_config", None))
         if not self._rlhf_direct:
             initialize_layerwise_reload(model)
-        self._rlhf_parts = {"begin": time.perf_counter() - started, "receive": 0.0, "apply": 0.0, "buckets": 0}
+        self._rlhf_parts = {"receive": 0.0, "apply": 0.0}
         return "direct" if self._rlhf_direct else "layerwise"
 
     def rlhf_load_bucket(self, specs: list, payload: dict) -> int:
@@ -90,19 +89,15 @@ class WeightReceiver:
         if buffer.is_cuda:
             torch.cuda.synchronize()
         del received, buffer
-        parts = getattr(self, "_rlhf_parts", None)
-        if parts is not None:
-            parts["receive"] += opened - started
-            parts["apply"] += time.perf_counter() - opened
-            parts["buckets"] += 1
+        self._rlhf_parts["receive"] += opened - started
+        self._rlhf_parts["apply"] += time.perf_counter() - opened
         return len(specs)
 
     def rlhf_finish_load(self) -> dict:
-        """Finish an in-memory load; returns its parts in seconds: begin, receive (opening or receiving the
-        buckets), apply (the loaders' copies, layerwise processing included), finish."""
+        """Finish an in-memory load; returns its parts in seconds: receive (opening or receiving the buckets),
+        apply (the loaders' copies, layerwise processing included)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        started = time.perf_counter()
         layerwise = _quiet_layerwise()
         level = layerwise.level
         layerwise.setLevel(logging.ERROR)
@@ -115,9 +110,7 @@ class WeightReceiver:
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
         self._rlhf_after_load()
-        parts = dict(getattr(self, "_rlhf_parts", None) or {})
-        parts["finish"] = time.perf_counter() - started
-        return parts
+        return self._rlhf_parts
 
     def _rlhf_after_load(self) -> None:
         """On the CPU backend the LM head keeps a prepacked copy of its weight (`cpu_linear`), made once at

@@ -16,6 +16,11 @@ class WeightsUnavailable(RuntimeError):
     """The sender's actor does not hold the version asked for (a replaced worker, a failed update)."""
 
 
+LOAD_PARTS = ("timing_s/weight_receive", "timing_s/weight_apply", "weights/direct")
+"""What an engine's `last_metrics` may say of its last in-memory load besides its whole (timing_s/weight_load):
+opening the buckets, the loaders' copies, and whether they went straight into the live tensors (1) or not."""
+
+
 class Loader(Protocol):
     """What a rollout engine offers to receive a streamed policy (VLLMRolloutEngine, HFRolloutEngine)."""
 

@@ -36,7 +36,7 @@ import pyarrow as pa
 from components.distributed import broadcast_call, full_state_dict, is_distributed, is_writer
 from components.precision import save_compute_copy
 from components.weight_channel import Channel, StreamError
-from components.weight_pull import RemoteWeights, WeightsUnavailable, abort
+from components.weight_pull import LOAD_PARTS, RemoteWeights, WeightsUnavailable, abort
 from components.weight_stream import WeightSender
 from components.weights import InMemoryWeights, compute_tensors, copy_files, write_copy
 from flows.config import Config, layout_for
@@ -170,14 +170,17 @@ class _Copy:
 
     def _make(self, snapshot, write) -> None:
         self.due.wait(HANDOVER_FIRST_S)
-        for future, work in ((self.snapshot, snapshot), (self.written, lambda: write(self.snapshot.result()))):
-            try:
-                future.set_result(work())
-            except BaseException as error:  # noqa: BLE001 - raised where the copy is waited for
-                future.set_exception(error)
-                if future is self.snapshot:
-                    self.written.set_exception(error)
-                return
+        try:  # errors are raised where the copy is waited for
+            state = snapshot()
+        except BaseException as error:  # noqa: BLE001
+            self.snapshot.set_exception(error)
+            self.written.set_exception(error)
+            return
+        self.snapshot.set_result(None)  # the model may change now
+        try:
+            self.written.set_result(write(state))
+        except BaseException as error:  # noqa: BLE001
+            self.written.set_exception(error)
 
 
 @atexit.register
@@ -370,8 +373,7 @@ class StreamTransport(MemoryTransport):
             engine.weights_version = version
             # the parts of it: the wait for the sender's answer, the engine's wake and load (vLLM)
             parts = {name: value for name, value in getattr(engine, "last_metrics", {}).items()
-                     if name in ("timing_s/wake", "timing_s/weight_load", "timing_s/weight_receive",
-                                 "timing_s/weight_apply", "weights/direct")}
+                     if name in ("timing_s/wake", "timing_s/weight_load", *LOAD_PARTS)}
             return {"timing_s/weight_sync": time.perf_counter() - started, "timing_s/weight_wait": remote.waited_s,
                     **parts}
         finally:
