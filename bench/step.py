@@ -248,6 +248,9 @@ def run_product(args) -> dict:
             "weight_sync", "save_weights", "send_weights", "weight_wait", "wake", "weight_load", "weight_receive",
             "weight_apply")},
         "weights_direct": after_warmup("weights/direct"),
+        # validation's hand-overs (the last step validates the version its update published), apart
+        "val_weights_s_all": {name: after_warmup(f"val-aux/timing_s/{name}") for name in (
+            "weight_sync", "send_weights", "weight_wait", "weight_load", "weight_apply")},
         "stream_fallbacks": len(after_warmup("weights/stream_fallback")),
         "preset": args.preset, "parameters": parameter_count(model_config),
         "compute_dtype": getattr(model_section, "compute_dtype", getattr(model_section, "dtype", None)),

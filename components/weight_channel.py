@@ -193,10 +193,19 @@ def open_payload(payload: dict, groups: GroupReceiver | None) -> tuple[torch.Ten
     raise ValueError(f"unknown weights payload kind {kind!r}")
 
 
-def poll(store, key: str, deadline: float, check: Callable[[], None] | None = None) -> bytes:
-    """The value of `key` once it is set: polled with a growing pause (1 ms to 50 ms), so that a bucket's
-    ack costs about a round trip, without the store's timeout warnings. `check` runs between polls and may
-    raise; TimeoutError at `deadline`; StreamError when the store is gone."""
+IDLE_POLL_S = 0.05
+"""The longest pause between two polls of a key that may be long in coming (a sender's idle queue)."""
+STREAM_POLL_S = 0.002
+"""The longest pause while a hand-over is under way (its buckets and acks, and a sender's queue while a stage
+waits for a pull): on one H200 (0.5B shape), with 50 ms pauses the rollout waited 0.014-0.051 s for the
+answer of an idle sender's thread."""
+
+
+def poll(store, key: str, deadline: float, check: Callable[[], None] | None = None,
+         max_pause: Callable[[], float] = lambda: IDLE_POLL_S) -> bytes:
+    """The value of `key` once it is set: polled with a growing pause (1 ms up to `max_pause()`, asked every
+    time), so that a bucket's ack costs about a round trip, without the store's timeout warnings. `check`
+    runs between polls and may raise; TimeoutError at `deadline`; StreamError when the store is gone."""
     pause = 0.001
     while True:
         try:
@@ -208,5 +217,5 @@ def poll(store, key: str, deadline: float, check: Callable[[], None] | None = No
             raise TimeoutError(f"no {key!r} on the weights channel in time")
         if check is not None:
             check()
-        time.sleep(pause)
-        pause = min(pause * 1.5, 0.05)
+        time.sleep(min(pause, max_pause()))
+        pause = min(pause * 1.5, 1.0)

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Callable, Protocol
 
-from components.weight_channel import COLLECTIVE_KIND, Channel, StreamError, connect, poll
+from components.weight_channel import COLLECTIVE_KIND, STREAM_POLL_S, Channel, StreamError, connect, poll
 
 class WeightsUnavailable(RuntimeError):
     """The sender's actor does not hold the version asked for (a replaced worker, a failed update)."""
@@ -129,7 +129,7 @@ class RemoteWeights:
         index = 0
         while True:
             message = json.loads(poll(store, f"{number}/bucket/{index}", time.monotonic() + self.bucket_timeout_s,
-                                       moved))
+                                       moved, lambda: STREAM_POLL_S))
             if message.get("end"):
                 break
             if "broken" in message:

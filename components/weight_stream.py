@@ -44,8 +44,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from components.weight_channel import (COLLECTIVE_KIND, IPC_KIND, Channel, StreamError, broadcast, default_address,
-                                       encode_share, ipc_payload, make_group, poll, seconds)
+from components.weight_channel import (COLLECTIVE_KIND, IDLE_POLL_S, IPC_KIND, STREAM_POLL_S, Channel, StreamError,
+                                       broadcast, default_address, encode_share, ipc_payload, make_group, poll,
+                                       seconds)
 from components.weights import BucketBuffers, compute_tensors, pack_buckets
 
 
@@ -76,6 +77,7 @@ class WeightSender:
         self._thread: threading.Thread | None = None
         self._ended_changed = threading.Condition()
         self._ended: dict[str, str] = {}  # sync -> how it ended (done, abort), until its stage asks
+        self._awaited = 0  # stages waiting in wait_done: the thread polls its queue at STREAM_POLL_S meanwhile
         self._sent: dict[str, tuple[int, float]] = {}  # sync -> (streams, seconds sending)
 
     def open(self) -> Channel:
@@ -123,8 +125,12 @@ class WeightSender:
         `finished()`, `timeout_s`), so that the actor does not change under a pull still to come."""
         deadline = time.monotonic() + timeout_s
         with self._ended_changed:
-            while sync not in self._ended and not finished() and time.monotonic() < deadline:
-                self._ended_changed.wait(1.0)
+            self._awaited += 1
+            try:
+                while sync not in self._ended and not finished() and time.monotonic() < deadline:
+                    self._ended_changed.wait(1.0)
+            finally:
+                self._awaited -= 1
             self._ended.pop(sync, None)
             streams, sending = self._sent.pop(sync, (0, 0.0))
         metrics = {"weights/streams": float(streams), "timing_s/send_weights": sending}
@@ -135,7 +141,8 @@ class WeightSender:
     def _run(self) -> None:
         while self.store is not None:
             try:
-                got = self._message(time.monotonic() + 60, lambda: False)
+                got = self._message(time.monotonic() + 60, lambda: False,
+                                    lambda: STREAM_POLL_S if self._awaited else IDLE_POLL_S)
                 if got is None:
                     continue
                 number, message = got
@@ -197,8 +204,10 @@ class WeightSender:
 
     # -- rank 0 ------------------------------------------------------------------------------
 
-    def _message(self, deadline: float, finished: Callable[[], bool]) -> tuple[int, dict] | None:
-        """The next message of the queue with the channel's token (None at the deadline or once `finished()`).
+    def _message(self, deadline: float, finished: Callable[[], bool],
+                 max_pause: Callable[[], float]) -> tuple[int, dict] | None:
+        """The next message of the queue with the channel's token (None at the deadline or once `finished()`),
+        polled with pauses up to `max_pause()`.
         A number taken from the counter whose message never came (its sender died in between) is skipped
         after a few seconds."""
         while True:
@@ -215,7 +224,7 @@ class WeightSender:
                         raise _Skip()
 
             try:
-                raw = poll(self.store, f"req/{number}", deadline, check)
+                raw = poll(self.store, f"req/{number}", deadline, check, max_pause)
             except (TimeoutError, _Finished):
                 return None
             except _Skip:
@@ -232,7 +241,7 @@ class WeightSender:
         A pull of another sync for the same version is served too (a retried stage's), one of another version
         is answered `unavailable`."""
         while True:
-            got = self._message(deadline, finished)
+            got = self._message(deadline, finished, lambda: STREAM_POLL_S)  # a stage waits for the pull
             if got is None:
                 return {"do": "stop", "why": "timeout" if time.monotonic() > deadline else "finished"}
             number, message = got
@@ -326,7 +335,7 @@ class WeightSender:
             if self.store.check([f"req/{self.next_message}"]):
                 raise StreamError("a newer message arrived while waiting for an ack")
 
-        poll(self.store, f"{number}/ack/{index}", time.monotonic() + ack_timeout_s, replaced)
+        poll(self.store, f"{number}/ack/{index}", time.monotonic() + ack_timeout_s, replaced, lambda: STREAM_POLL_S)
 
 
 @dataclass

@@ -308,12 +308,15 @@ def send_weights(config: Config, step: int, sync: str, for_stage: str, for_step:
     """Stream policy `step` (the actor after `step` updates) to the rollout's worker, for the stage `for_stage`
     at `for_step` that the driver started beside this one (weights in memory between workers:
     flows/runtime/transport.py). Ends when that stage has what it needs (or has committed its output). A
-    replaced actor that holds another version says so, and the rollout reads the stored copy."""
+    replaced actor that holds another version says so, and the rollout reads the stored copy. Validation's
+    hand-overs are named under val-aux/, as on the rollout's side."""
     actor = get_role(config, "actor")
     output = layout_for(config).stage_path(for_step, STAGES[for_stage].output)
     fs = layout_for(config).fs
     metrics = transport_for(config).send_weights(actor.model, step, resolve_dtype(config.model.compute_dtype), sync,
                                                  holds=actor.state_step == step, finished=lambda: fs.exists(output))
+    if for_stage == "validate":
+        metrics = {f"val-aux/{name}": value for name, value in metrics.items()}
     return {"metrics": metrics}
 
 
@@ -367,9 +370,11 @@ def evaluate(config: Config, engine, records) -> tuple[dict, dict[str, float]]:
 
 @stage(role="rollout", output="validation", skippable=True, per_sample=False)
 def validate(config: Config, step: int, sync: str | None = None) -> StageResult:
-    """Validation reward of the policy as it is at the start of `step`."""
-    metrics = sync_rollout_weights(config, step, sync)
+    """Validation reward of the policy as it is at the start of `step`. Its hand-over of the weights is named
+    under val-aux/ (a step's timing_s/weight_sync is its rollout's) and counted in timing_s/testing."""
+    metrics: dict[str, float] = {}
     with timed(metrics, "testing"):
+        metrics |= {f"val-aux/{name}": value for name, value in sync_rollout_weights(config, step, sync).items()}
         records = get_role(config, "val_prompts")
         try:
             columns, val_metrics = evaluate(config, get_role(config, "rollout"), records)

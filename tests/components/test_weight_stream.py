@@ -1,7 +1,7 @@
 """components.weight_stream between two real processes on the CPU (gloo): a policy version reaches the
 rollout engine of another process bit for bit in several buckets; a sender holding another version says so;
 a receiver that fails midway is replaced and its replacement gets everything; a dead sender or an abort ends
-the other side's wait instead of hanging it."""
+the other side's wait instead of hanging it; the store is polled at the pace a hand-over needs."""
 
 from __future__ import annotations
 
@@ -189,3 +189,67 @@ def test_on_one_gpu_a_version_goes_over_cuda_ipc_between_processes(tmp_path, mod
     expected = _expected(model_path)
     assert all(torch.equal(tensor.cpu(), expected[name]) for name, tensor in engine.model.state_dict().items())
     assert _metrics(process)["weights/streams"] == 1.0
+
+
+class _SetAfter:
+    """A store whose key is set after `checks` checks of it."""
+
+    def __init__(self, checks: int):
+        self.checks, self.after = 0, checks
+
+    def check(self, keys) -> bool:
+        self.checks += 1
+        return self.checks > self.after
+
+    def get(self, key) -> bytes:
+        return b"there"
+
+
+def test_poll_pauses_grow_to_the_cap_it_asks_for_before_every_pause(monkeypatch):
+    from components import weight_channel
+
+    pauses: list[float] = []
+    monkeypatch.setattr(weight_channel.time, "sleep", pauses.append)
+    assert weight_channel.poll(_SetAfter(12), "k", time.monotonic() + 60) == b"there"
+    assert pauses == pytest.approx([min(0.001 * 1.5 ** i, weight_channel.IDLE_POLL_S) for i in range(12)])
+    # the cap changes while it waits (a stage started waiting for a pull): the next pauses follow at once
+    pauses.clear()
+    caps = iter([weight_channel.IDLE_POLL_S] * 10 + [weight_channel.STREAM_POLL_S] * 5)
+    weight_channel.poll(_SetAfter(15), "k", time.monotonic() + 60, max_pause=lambda: next(caps))
+    assert pauses[9] > 0.03 and pauses[10:] == [weight_channel.STREAM_POLL_S] * 5
+
+
+def test_an_idle_senders_thread_polls_at_the_stream_pace_while_a_stage_waits_for_its_pull(monkeypatch):
+    """The thread's pauses grow to IDLE_POLL_S when nothing is expected, and shrink to STREAM_POLL_S once the
+    send_weights stage waits (wait_done), so that the pull is answered within a few milliseconds."""
+    import threading
+
+    from components import weight_channel
+    from components.weight_stream import WeightSender
+
+    real_sleep, pauses = time.sleep, []
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread().name == "rlhf-weights-server":
+            pauses.append((time.monotonic(), seconds))
+        real_sleep(seconds)
+
+    monkeypatch.setattr(weight_channel.time, "sleep", sleep)
+    sender = WeightSender(address="127.0.0.1")
+    sender.open()
+    try:
+        sender.start_thread()
+        real_sleep(1.0)
+        assert max(pause for _, pause in pauses) == weight_channel.IDLE_POLL_S
+        waiting = threading.Thread(target=sender.wait_done, args=("rollout-1-x", 1.5))
+        waiting.start()
+        real_sleep(0.2)
+        began = time.monotonic()
+        real_sleep(0.5)
+        during = [pause for at, pause in pauses if began <= at]
+        assert len(during) > 50 and max(during) <= weight_channel.STREAM_POLL_S, during[:5]
+        waiting.join()
+        real_sleep(1.0)
+        assert pauses[-1][1] == weight_channel.IDLE_POLL_S  # back to idle once the stage is over
+    finally:
+        sender.close()

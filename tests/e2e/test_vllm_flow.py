@@ -54,8 +54,9 @@ def test_flow_with_vllm_rollout_keeps_logprobs_consistent(prefect_api, tmp_path,
     # float32 on both sides: the engine's log-probs are the actor's up to kernel rounding.
     assert all(value < 0.02 for value in diff_mean.values()), diff_mean
     assert all(value < 0.1 for value in diff_max.values()), diff_max
-    # The actor's weights changed every step and the engine loaded each new copy in place.
-    assert len(history("timing_s/weight_sync")) >= STEPS - 1
+    # The actor's weights changed every step and the engine loaded each new copy in place: validation at every
+    # step (val_every=1) took each version first (val-aux/), the next step's rollout found it in the engine.
+    assert len(history("val-aux/timing_s/weight_sync")) >= STEPS - 1 and not history("timing_s/weight_sync")
     assert history("perf/gen_tokens_per_s")
 
     layout = RunLayout(config.run.storage_root, "vllm")
@@ -110,6 +111,8 @@ def test_a_vllm_rollout_worker_imports_vllm_before_its_first_stage(prefect_api, 
     layout = RunLayout(config.run.storage_root, config.run.name)
     assert layout.step_folders(f"{layout.run_dir}/weights/actor") == [0, 3]  # the warm-start's output, the last
     assert [m.value for m in client.get_metric_history(run.info.run_id, "rollout/policy_lag")] == [0.0, 0.0, 0.0]
-    # 0: the warm-start's output read from storage at the first validation; 2, 3: versions 1 and 2, streamed
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "timing_s/weight_sync")] == [0, 2, 3]
-    assert "weights/stream_fallback" not in run.data.metrics
+    # The rollouts of steps 1 and 2 (logged at 2, 3): versions 1 and 2, streamed; validation's hand-overs are
+    # named apart: 0, the warm-start's output read from storage, 3, the last version, streamed
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "timing_s/weight_sync")] == [2, 3]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val-aux/timing_s/weight_sync")] == [0, 3]
+    assert not {"weights/stream_fallback", "val-aux/weights/stream_fallback"} & set(run.data.metrics)
