@@ -196,9 +196,9 @@ def open_payload(payload: dict, groups: GroupReceiver | None) -> tuple[torch.Ten
 IDLE_POLL_S = 0.05
 """The longest pause between two polls of a key that may be long in coming (a sender's idle queue)."""
 STREAM_POLL_S = 0.002
-"""The longest pause while a hand-over is under way (its buckets and acks, and a sender's queue while a stage
-waits for a pull): on one H200 (0.5B shape), with 50 ms pauses the rollout waited 0.014-0.051 s for the
-answer of an idle sender's thread."""
+"""The longest pause while a hand-over is under way or may come (its buckets and acks; a sender's queue while it
+serves a version): on one H200 (0.5B shape), with 50 ms pauses the rollout waited 0.014-0.051 s for the answer
+of the sender's thread."""
 
 
 def poll(store, key: str, deadline: float, check: Callable[[], None] | None = None,

@@ -77,7 +77,7 @@ class WeightSender:
         self._thread: threading.Thread | None = None
         self._ended_changed = threading.Condition()
         self._ended: dict[str, str] = {}  # sync -> how it ended (done, abort), until its stage asks
-        self._awaited = 0  # stages waiting in wait_done: the thread polls its queue at STREAM_POLL_S meanwhile
+        self._awaited = 0  # stages waiting in wait_done (see _pace)
         self._sent: dict[str, tuple[int, float]] = {}  # sync -> (streams, seconds sending)
 
     def open(self) -> Channel:
@@ -138,11 +138,15 @@ class WeightSender:
             metrics["weights/send_timeout"] = 1.0
         return metrics
 
+    def _pace(self) -> float:
+        """The thread's longest pause: short while a pull may come (a version is served, or a stage waits for
+        one; a check of the store took 7 us on a 2-core machine like CI, so 500 a second are cheap), else IDLE_POLL_S."""
+        return STREAM_POLL_S if self._current is not None or self._awaited else IDLE_POLL_S
+
     def _run(self) -> None:
         while self.store is not None:
             try:
-                got = self._message(time.monotonic() + 60, lambda: False,
-                                    lambda: STREAM_POLL_S if self._awaited else IDLE_POLL_S)
+                got = self._message(time.monotonic() + 60, lambda: False, self._pace)
                 if got is None:
                     continue
                 number, message = got

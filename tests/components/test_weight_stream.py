@@ -219,9 +219,10 @@ def test_poll_pauses_grow_to_the_cap_it_asks_for_before_every_pause(monkeypatch)
     assert pauses[9] > 0.03 and pauses[10:] == [weight_channel.STREAM_POLL_S] * 5
 
 
-def test_an_idle_senders_thread_polls_at_the_stream_pace_while_a_stage_waits_for_its_pull(monkeypatch):
-    """The thread's pauses grow to IDLE_POLL_S when nothing is expected, and shrink to STREAM_POLL_S once the
-    send_weights stage waits (wait_done), so that the pull is answered within a few milliseconds."""
+def test_a_senders_thread_polls_at_the_stream_pace_while_a_pull_may_come(monkeypatch):
+    """The thread's pauses grow to IDLE_POLL_S when nothing is expected, and shrink to STREAM_POLL_S while the
+    send_weights stage waits (wait_done) or a version is published, so that a pull is answered within a few
+    milliseconds."""
     import threading
 
     from components import weight_channel
@@ -251,5 +252,12 @@ def test_an_idle_senders_thread_polls_at_the_stream_pace_while_a_stage_waits_for
         waiting.join()
         real_sleep(1.0)
         assert pauses[-1][1] == weight_channel.IDLE_POLL_S  # back to idle once the stage is over
+        model = torch.nn.Linear(2, 2)
+        sender.publish(1, model, torch.float32, 2**20, 5.0)
+        real_sleep(0.2)
+        assert pauses[-1][1] == weight_channel.STREAM_POLL_S
+        sender.withdraw()
+        real_sleep(1.0)
+        assert pauses[-1][1] == weight_channel.IDLE_POLL_S
     finally:
         sender.close()
