@@ -12,8 +12,7 @@ actor's weights through a `Transport`. Batches are always Parquet files of the r
   the versions recovery and export read back: checkpoint steps, the last step (every step with
   `trainer.keep_weights=null`). A resumed run reloads the rollout from the checkpoint step's copy,
   bit for bit what the memory path had given it. The copy's snapshot waits until the version was handed
-  to the rollout (or a checkpoint, the export or the next update needs it): taken at the same time, it
-  slowed the hand-over down about eightfold (`HANDOVER_FIRST_S`).
+  to the rollout (flows/runtime/stored_copy.py).
 - `StreamTransport` (`trainer.execution=workers`): the same, between the actor's worker and the rollout's
   (components/weight_stream.py). The rollout's stage pulls the version it needs through the actor's channel
   (`weights/actor/channel.json`): CUDA IPC where it sees the actor's GPU, else NCCL (gloo on CPUs). An
@@ -25,10 +24,7 @@ actor's weights through a `Transport`. Batches are always Parquet files of the r
 
 from __future__ import annotations
 
-import atexit
-import threading
 import time
-from concurrent.futures import Future
 from typing import Any, Mapping, Protocol
 
 import pyarrow as pa
@@ -41,15 +37,11 @@ from components.weight_stream import WeightSender
 from components.weights import InMemoryWeights, compute_tensors, copy_files, write_copy
 from flows.config import Config, layout_for
 from flows.runtime.recovery import prune_weights
+from flows.runtime.stored_copy import copy_due, start_copy
 from storage import COMMITTED_MARKER, RunLayout, atomic_directory, read_stage, write_bytes_atomic, write_stage
 
 STORED_COPY_WAIT_S = 300.0
 """How long a reader waits for a stored copy that another process is still writing in the background."""
-HANDOVER_FIRST_S = 60.0
-"""How long a stored copy's snapshot waits for its version's hand-over to the rollout to end first: on one
-H200 at the Qwen2.5-0.5B shape a hand-over beside the snapshot took 1.10 s against 0.10-0.15 s alone (the
-snapshot's GPU reads and host copies compete with the sender's buckets). A checkpoint, the export and the
-next update do not wait (they ask for the copy: `flush`, `withdraw_weights`)."""
 ACK_TIMEOUT_S = 120.0
 """How long a sender waits for the rollout to take one bucket (a replaced receiver pulls again sooner)."""
 
@@ -153,61 +145,6 @@ class StorageTransport:
 
 _PUBLISHED: dict[str, InMemoryWeights] = {}
 """Run folder -> the newest policy the actor of this process published in memory."""
-_COPIES: dict[str, "_Copy"] = {}
-"""Run folder -> the stored copy of a published policy being made in the background."""
-_COPIES_LOCK = threading.Lock()
-
-
-class _Copy:
-    """A stored copy in the making, on a thread of its own: the host snapshot (taken once `due` is set, or
-    after HANDOVER_FIRST_S), then the writing and the atomic commit."""
-
-    def __init__(self, version: int, snapshot, write):
-        self.version, self.due = version, threading.Event()
-        self.snapshot, self.written = Future(), Future()
-        threading.Thread(target=self._make, args=(snapshot, write), name=f"rlhf-weights-copy-{version}",
-                         daemon=True).start()
-
-    def _make(self, snapshot, write) -> None:
-        self.due.wait(HANDOVER_FIRST_S)
-        try:  # errors are raised where the copy is waited for
-            state = snapshot()
-        except BaseException as error:  # noqa: BLE001
-            self.snapshot.set_exception(error)
-            self.written.set_exception(error)
-            return
-        self.snapshot.set_result(None)  # the model may change now
-        try:
-            self.written.set_result(write(state))
-        except BaseException as error:  # noqa: BLE001
-            self.written.set_exception(error)
-
-
-@atexit.register
-def _finish_copies() -> None:
-    """A process that ends (a worker stopped) finishes the copies it was making first, at once."""
-    with _COPIES_LOCK:
-        copies = list(_COPIES.values())
-    for copy in copies:
-        copy.due.set()
-        try:
-            copy.written.result()
-        except BaseException:  # noqa: BLE001 - an unwritten copy is not committed; nothing waits for it now
-            pass
-
-
-def _copy_due(run_dir: str, version: int | None = None, pop: bool = False) -> "_Copy | None":
-    """The run's copy in the making (of `version`, if given), told to go ahead now; `pop`: forgotten here."""
-    with _COPIES_LOCK:
-        copy = _COPIES.get(run_dir)
-        if copy is None or (version is not None and copy.version != version):
-            return None
-        if pop:
-            del _COPIES[run_dir]
-    copy.due.set()
-    return copy
-
-
 class MemoryTransport(StorageTransport):
     """Weights in memory to a rollout engine of this process; copies on storage only for the versions
     `stored(version)` says recovery or export read back, written in the background (see the module)."""
@@ -222,15 +159,13 @@ class MemoryTransport(StorageTransport):
         if not self.stored(version):
             return f"memory://{self.layout.weights_dir('actor', version)}"
         self.flush()  # one copy in flight at most
-        # Off the step's critical path, after the hand-over (see the module): the snapshot in the compute dtype
-        # on the host (the model stays as it is until withdraw_weights, which waits for it), then the writing
-        # and the atomic commit.
+        # Off the step's critical path, after the hand-over (flows/runtime/stored_copy.py): the snapshot in the
+        # compute dtype on the host (the model stays as it is until withdraw_weights, which waits for it), then
+        # the writing and the atomic commit.
         files = copy_files(model, compute_dtype)
-        copy = _Copy(version, lambda: {name: tensor.to("cpu", copy=True)
-                                       for name, tensor in compute_tensors(model, compute_dtype, tied_once=False)},
-                     lambda state: self._write(version, files, state))
-        with _COPIES_LOCK:
-            _COPIES[key] = copy
+        start_copy(key, version, lambda: {name: tensor.to("cpu", copy=True)
+                                          for name, tensor in compute_tensors(model, compute_dtype, tied_once=False)},
+                   lambda state: self._write(version, files, state))
         return self.layout.weights_dir("actor", version)
 
     def _write(self, version: int, files: dict[str, str], state) -> None:
@@ -240,10 +175,10 @@ class MemoryTransport(StorageTransport):
 
     def handed_over(self, version: int) -> None:
         """The rollout holds `version`: its stored copy may be made now."""
-        _copy_due(self.layout.run_dir, version)
+        copy_due(self.layout.run_dir, version)
 
     def withdraw_weights(self) -> None:
-        pending = _copy_due(self.layout.run_dir)
+        pending = copy_due(self.layout.run_dir)
         if pending is not None:
             pending.snapshot.result()  # the stored copy's snapshot is taken before the model changes
         published = _PUBLISHED.pop(self.layout.run_dir, None)
@@ -251,7 +186,7 @@ class MemoryTransport(StorageTransport):
             published.withdraw()
 
     def flush(self) -> None:
-        pending = _copy_due(self.layout.run_dir, pop=True)
+        pending = copy_due(self.layout.run_dir, pop=True)
         if pending is not None:
             pending.written.result()  # a failed snapshot or write raises here: in the checkpoint or export that needed it
 
