@@ -218,6 +218,52 @@ def test_weights_streamed_from_a_live_model_replace_every_tensor(engine, model_p
     assert [g.logprobs for g in after] == [g.logprobs for g in before]
 
 
+def test_a_stream_broken_midway_leaves_an_engine_that_loads_the_stored_copy_whole(engine, model_path, tmp_path):
+    """The rollout's fallback (flows/runtime/transport.py): a streamed version breaks after some of its buckets
+    reached vLLM's workers (begun, never finished), and the engine then loads the version's stored copy. It
+    must generate exactly what transformers computes for the stored copy (no layer left half-loaded from the
+    stream), and take a whole stream again afterwards."""
+    from components.models import load_causal_lm
+    from components.weight_channel import StreamError
+    from components.weight_pull import RemoteWeights
+    from components.weights import BucketBuffers, InMemoryWeights, compute_tensors, pack_buckets
+
+    class BreaksMidway(RemoteWeights):  # the actor's worker stops after `buckets` buckets
+        def __init__(self, live, buckets: int):
+            self.live, self.buckets, self.sent = live, buckets, 0
+
+        def receive_into(self, loader, attempts: int = 3) -> int:
+            loader.begin_load()
+            for bucket in pack_buckets(compute_tensors(self.live, torch.float32), loader.bucket_bytes,
+                                       BucketBuffers()):
+                if self.sent == self.buckets:
+                    raise StreamError("the actor's worker stopped the stream")
+                loader.load_bucket(bucket.specs, loader._payload(bucket))
+                self.sent += 1
+            raise AssertionError("the stream should have broken")
+
+    sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, ignore_eos=True, seed=5)
+    before = engine.generate(PROMPTS, sampled)
+    streamed = load_causal_lm(str(_perturbed_copy(model_path, tmp_path / "streamed", seed=7)), dtype="float32",
+                              device="cpu")
+    stored_path = _perturbed_copy(model_path, tmp_path / "stored", seed=8)
+    stored = load_causal_lm(str(stored_path), dtype="float32", device="cpu")
+    bucket_bytes, engine.bucket_bytes = engine.bucket_bytes, 64 * 1024
+    try:
+        broken = BreaksMidway(streamed, buckets=2)
+        with pytest.raises(StreamError):
+            engine.load_weights(broken)
+        assert broken.sent == 2
+        engine.load_weights(str(stored_path))
+        assert _max_gap(engine.generate(PROMPTS, sampled), stored) < 1e-3
+        engine.load_weights(InMemoryWeights(streamed, torch.float32, version=2))
+        assert _max_gap(engine.generate(PROMPTS, sampled), streamed) < 1e-3
+    finally:
+        engine.bucket_bytes = bucket_bytes
+        engine.load_weights(model_path)
+    assert [g.logprobs for g in engine.generate(PROMPTS, sampled)] == [g.logprobs for g in before]
+
+
 def test_load_weights_refuses_a_folder_without_weights_and_keeps_working(engine, tmp_path):
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
     before = [g.response_ids for g in engine.generate(PROMPTS, params)]
