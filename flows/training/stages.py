@@ -315,9 +315,7 @@ def send_weights(config: Config, step: int, sync: str, for_stage: str, for_step:
     fs = layout_for(config).fs
     metrics = transport_for(config).send_weights(actor.model, step, resolve_dtype(config.model.compute_dtype), sync,
                                                  holds=actor.state_step == step, finished=lambda: fs.exists(output))
-    if for_stage == "validate":
-        metrics = {f"val-aux/{name}": value for name, value in metrics.items()}
-    return {"metrics": metrics}
+    return {"metrics": _as_validations(metrics) if for_stage == "validate" else metrics}
 
 
 @stage(role="critic")
@@ -368,13 +366,19 @@ def evaluate(config: Config, engine, records) -> tuple[dict, dict[str, float]]:
     return columns, metrics
 
 
+def _as_validations(metrics: dict[str, float]) -> dict[str, float]:
+    """A validation's weight hand-over metrics, named apart from the step's rollout's (val-aux/, verl's prefix
+    for validation's auxiliary metrics), on both sides of the hand-over."""
+    return {f"val-aux/{name}": value for name, value in metrics.items()}
+
+
 @stage(role="rollout", output="validation", skippable=True, per_sample=False)
 def validate(config: Config, step: int, sync: str | None = None) -> StageResult:
     """Validation reward of the policy as it is at the start of `step`. Its hand-over of the weights is named
     under val-aux/ (a step's timing_s/weight_sync is its rollout's) and counted in timing_s/testing."""
     metrics: dict[str, float] = {}
     with timed(metrics, "testing"):
-        metrics |= {f"val-aux/{name}": value for name, value in sync_rollout_weights(config, step, sync).items()}
+        metrics |= _as_validations(sync_rollout_weights(config, step, sync))
         records = get_role(config, "val_prompts")
         try:
             columns, val_metrics = evaluate(config, get_role(config, "rollout"), records)
