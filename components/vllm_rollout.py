@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from components.rollout import Generation, SamplingParams, logprob_prompts
-from components.weight_channel import ipc_payload
+from components.weight_channel import ipc_payload, trace
 from components.weight_pull import LOAD_PARTS, RemoteWeights, new_session
 from components.weights import BucketBuffers, InMemoryWeights, StaleWeightsError, pack_buckets
 
@@ -176,6 +176,7 @@ class VLLMRolloutEngine:
             self.last_metrics["weights/buckets"] = float(self._stream(source))
         # Cached prefixes were computed by the old weights.
         self.llm.reset_prefix_cache()
+        trace("engine.prefix_reset")
         self.weights_source = source
         self.last_metrics["timing_s/weight_load"] = time.perf_counter() - started
 
@@ -254,9 +255,12 @@ class VLLMRolloutEngine:
             raise StaleWeightsError("the engine slept after its weights were streamed from the actor's worker; "
                                     "they must be streamed again")
         # Weights first, loaded before the KV cache is allocated, so that the peak stays low.
+        trace("engine.wake")
         self.llm.wake_up(tags=["weights"])
+        trace("engine.weights_awake")
         self._reload(self.weights_source if source is None else source)
         self.llm.wake_up(tags=["kv_cache"])
+        trace("engine.kv_cache_awake")
         self.asleep = False
         self.last_metrics["timing_s/wake"] = time.perf_counter() - started
 

@@ -18,6 +18,16 @@ import torch
 
 IPC_KIND, COLLECTIVE_KIND = "cuda_ipc", "collective"
 
+TRACE_ENV = "RLHF_WEIGHTS_TRACE"
+
+
+def trace(event: str, **fields) -> None:
+    """With RLHF_WEIGHTS_TRACE=1 in the workers' environment, one line per step of a hand-over on both sides
+    (`weights-trace <wall clock> pid=<pid> <event> ...`), to line the actor's and the rollout's logs up."""
+    if os.environ.get(TRACE_ENV) == "1":
+        details = "".join(f" {name}={value}" for name, value in fields.items())
+        print(f"weights-trace {time.time():.6f} pid={os.getpid()} {event}{details}", flush=True)
+
 class StreamError(RuntimeError):
     """The stream broke: the other side went away or went silent."""
 

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Callable, Protocol
 
-from components.weight_channel import COLLECTIVE_KIND, STREAM_POLL_S, Channel, StreamError, connect, poll
+from components.weight_channel import COLLECTIVE_KIND, STREAM_POLL_S, Channel, StreamError, connect, poll, trace
 
 class WeightsUnavailable(RuntimeError):
     """The sender's actor does not hold the version asked for (a replaced worker, a failed update)."""
@@ -104,6 +104,7 @@ class RemoteWeights:
         sender holds another version, StreamError or TimeoutError when the stream breaks. The answer may take up
         to `timeout_s` (the actor's worker finishes what it was doing first); each bucket `bucket_timeout_s`."""
         info = loader.describe_loaders()
+        trace("recv.pull", sync=self.sync)
         number = self._post({"kind": "pull", "version": self.version, "session": loader.weight_session, **info})
         store, channel = self._store, self._channel
         deadline = time.monotonic() + self.timeout_s
@@ -117,8 +118,10 @@ class RemoteWeights:
                     raise _Moved()
 
         asked = time.perf_counter()
+        trace("recv.pull_posted", number=number)
         reply = json.loads(poll(store, f"reply/{number}", deadline, moved))
         self.waited_s = time.perf_counter() - asked
+        trace("recv.reply_got", number=number)
         if reply["status"] != "stream":
             raise WeightsUnavailable(f"the actor's worker holds policy version {reply.get('holds')}, "
                                      f"not {self.version}")
@@ -126,6 +129,7 @@ class RemoteWeights:
             loader.join_weight_group(reply["channel"], reply["group"], 1, int(reply["world"]), reply["backend"],
                                      self.timeout_s)
         loader.begin_load()
+        trace("recv.begun", number=number)
         index = 0
         while True:
             message = json.loads(poll(store, f"{number}/bucket/{index}", time.monotonic() + self.bucket_timeout_s,
@@ -134,10 +138,14 @@ class RemoteWeights:
                 break
             if "broken" in message:
                 raise StreamError(f"the actor's worker stopped the stream: {message['broken']}")
+            trace("recv.bucket_seen", number=number, bucket=index)
             loader.load_bucket(message["specs"], message["payload"])
             store.set(f"{number}/ack/{index}", b"1")
+            trace("recv.acked", number=number, bucket=index)
             index += 1
+        trace("recv.end_seen", number=number)
         loader.finish_load()
+        trace("recv.finished", number=number)
         return index
 
     def finish(self) -> None:

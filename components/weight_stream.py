@@ -46,7 +46,7 @@ import torch
 
 from components.weight_channel import (COLLECTIVE_KIND, IDLE_POLL_S, IPC_KIND, STREAM_POLL_S, Channel, StreamError,
                                        broadcast, default_address, encode_share, ipc_payload, make_group, poll,
-                                       seconds)
+                                       seconds, trace)
 from components.weights import BucketBuffers, compute_tensors, pack_buckets
 
 
@@ -101,6 +101,7 @@ class WeightSender:
         this process: a pull is answered at once, without waiting for a stage to be dispatched."""
         with self._lock:
             self._current = _Published(version, weakref.ref(model), dtype, bucket_bytes, ack_timeout_s)
+        trace("send.published", version=version)
         self.start_thread()
 
     def start_thread(self) -> None:
@@ -124,6 +125,7 @@ class WeightSender:
         """The driver's stage for `sync`, when the thread serves: wait until its receiver is done (or aborted,
         `finished()`, `timeout_s`), so that the actor does not change under a pull still to come."""
         deadline = time.monotonic() + timeout_s
+        trace("send.stage_waits", sync=sync)
         with self._ended_changed:
             self._awaited += 1
             try:
@@ -165,6 +167,7 @@ class WeightSender:
                 print(f"weights server: {error!r}", flush=True)
 
     def _serve_pull(self, number: int, pull: dict) -> None:
+        trace("send.pull_seen", number=number)
         with self._lock:  # withdraw waits for the stream
             current = self._current
             model = None if current is None else current.model()
@@ -275,6 +278,7 @@ class WeightSender:
             reply.update(group=known[0], backend=backend, world=1 + int(pull.get("loaders", 1)),
                          join=known[1] is None, channel=asdict(self.channel))
         self._reply(number, reply)
+        trace("send.reply_set", number=number, method=method)
         return {"do": "stream", "number": number, "pull": pull, **reply}
 
     def _reply(self, number: int, reply: dict) -> None:
@@ -304,6 +308,7 @@ class WeightSender:
         for bucket in pack_buckets(tensors, bucket_bytes, self._buffers):
             if failed is not None:
                 continue
+            trace("send.packed", number=number, bucket=count)
             try:
                 self._send(number, count, bucket, plan, group, ack_timeout_s)
                 count += 1
@@ -313,6 +318,7 @@ class WeightSender:
                     self.groups.pop(str(plan["pull"].get("session")), None)
         if failed is None:
             self.store.set(f"{number}/bucket/{count}", json.dumps({"end": True, "count": count}))
+            trace("send.end_set", number=number, buckets=count)
             return
         print(f"weights stream {number} of sync {plan['pull'].get('sync')} broke after {count} bucket(s): {failed}",
               flush=True)
@@ -329,6 +335,7 @@ class WeightSender:
             payload = {"kind": COLLECTIVE_KIND, "group": plan["group"], "backend": plan["backend"],
                        "nbytes": bucket.nbytes, "capacity": bucket.buffer.numel()}
         self.store.set(f"{number}/bucket/{index}", json.dumps({"specs": bucket.specs, "payload": payload}))
+        trace("send.bucket_set", number=number, bucket=index)
         if group is not None:
             data = bucket.buffer[:bucket.nbytes]
             if plan["backend"] == "gloo" and data.is_cuda:
@@ -340,6 +347,7 @@ class WeightSender:
                 raise StreamError("a newer message arrived while waiting for an ack")
 
         poll(self.store, f"{number}/ack/{index}", time.monotonic() + ack_timeout_s, replaced, lambda: STREAM_POLL_S)
+        trace("send.ack_seen", number=number, bucket=index)
 
 
 @dataclass

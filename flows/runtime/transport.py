@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from components.distributed import broadcast_call, full_state_dict, is_distributed, is_writer
 from components.precision import save_compute_copy
-from components.weight_channel import Channel, StreamError
+from components.weight_channel import Channel, StreamError, trace
 from components.weight_pull import LOAD_PARTS, RemoteWeights, WeightsUnavailable, abort
 from components.weight_stream import WeightSender
 from components.weights import InMemoryWeights, compute_tensors, copy_files, write_copy
@@ -298,6 +298,7 @@ class StreamTransport(MemoryTransport):
             if engine.weights_version == version and not _needs_reload(engine):
                 return {}
             started = time.perf_counter()
+            trace("sync.start", version=version)
             try:
                 engine.load_weights(remote)
             except (WeightsUnavailable, StreamError, TimeoutError) as error:
@@ -309,6 +310,7 @@ class StreamTransport(MemoryTransport):
             # the parts of it: the wait for the sender's answer, the engine's wake and load (vLLM)
             parts = {name: value for name, value in getattr(engine, "last_metrics", {}).items()
                      if name in ("timing_s/wake", "timing_s/weight_load", *LOAD_PARTS)}
+            trace("sync.end", version=version)
             return {"timing_s/weight_sync": time.perf_counter() - started, "timing_s/weight_wait": remote.waited_s,
                     **parts}
         finally:
