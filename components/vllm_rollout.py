@@ -241,9 +241,12 @@ class VLLMRolloutEngine:
         self.asleep = True
         self.last_metrics["timing_s/sleep"] = time.perf_counter() - started
 
-    def _wake(self, source: str | InMemoryWeights | None = None) -> None:
+    def _wake(self, source: str | InMemoryWeights | RemoteWeights | None = None) -> None:
         started = time.perf_counter()
         import torch
+
+        if isinstance(source, RemoteWeights):
+            source.ask(self)  # the actor's worker answers and packs its first bucket while the engine wakes
 
         if torch.cuda.is_initialized():
             # Blocks that this process's caching allocator keeps after a training role ran here (the actor's

@@ -58,8 +58,9 @@ class RemoteWeights:
         self._store = None
         self._channel: Channel | None = None
         self.waited_s = 0.0
-        """Seconds the last pull waited for the sender's answer."""
+        """Seconds the last pull waited for the sender's answer (after the engine woke, when it was posted ahead)."""
         self._finished = False
+        self._asked: int | None = None  # a pull posted ahead (`ask`), not yet read
 
     def _connected(self, timeout_s: float | None = None):
         """The store of the current channel, waiting up to `timeout_s` (connect_timeout_s) for one to appear
@@ -89,6 +90,17 @@ class RemoteWeights:
         store.set(f"req/{number}", json.dumps({**message, "token": self._channel.token, "sync": self.sync}))
         return number
 
+    def ask(self, loader: Loader) -> None:
+        """Post the pull now, ahead of `receive_into` (which reads its answer): the sender answers and packs its
+        first bucket while the engine wakes. Raises StreamError, as `receive_into` would, when no channel answers."""
+        if self._asked is None:
+            self._asked = self._post_pull(loader)
+
+    def _post_pull(self, loader: Loader) -> int:
+        info = loader.describe_loaders()
+        trace("recv.pull", sync=self.sync)
+        return self._post({"kind": "pull", "version": self.version, "session": loader.weight_session, **info})
+
     def receive_into(self, loader: Loader, attempts: int = 3) -> int:
         """`_receive_once`, again on the new channel when the actor's worker was replaced meanwhile."""
         for attempt in range(attempts):
@@ -102,10 +114,10 @@ class RemoteWeights:
     def _receive_once(self, loader: Loader) -> int:
         """Pull the version into `loader`; returns how many buckets came. Raises WeightsUnavailable when the
         sender holds another version, StreamError or TimeoutError when the stream breaks. The answer may take up
-        to `timeout_s` (the actor's worker finishes what it was doing first); each bucket `bucket_timeout_s`."""
-        info = loader.describe_loaders()
-        trace("recv.pull", sync=self.sync)
-        number = self._post({"kind": "pull", "version": self.version, "session": loader.weight_session, **info})
+        to `timeout_s` (the actor's worker finishes what it was doing first); each bucket `bucket_timeout_s`. The
+        pull is the one posted by `ask`, if any."""
+        number = self._asked if self._asked is not None else self._post_pull(loader)
+        self._asked = None  # a retry (the channel moved) posts again
         store, channel = self._store, self._channel
         deadline = time.monotonic() + self.timeout_s
 

@@ -87,6 +87,25 @@ def test_a_version_streams_from_another_process_into_the_engine_bit_for_bit(tmp_
     assert metrics["weights/streams"] == 1.0 and "weights/send_timeout" not in metrics
 
 
+def test_a_pull_asked_ahead_is_answered_while_the_engine_is_busy_and_read_by_the_load(tmp_path, model_path):
+    """`ask` (a sleeping vLLM engine posts its pull before it wakes): the sender answers without waiting for
+    the load, and the load reads that answer; one pull in all."""
+    from components.weight_channel import connect, poll
+
+    process, channel = _start_sender(tmp_path, model_path, "rollout-3-g")
+    engine = _engine(model_path)
+    remote = RemoteWeights(lambda: channel, sync="rollout-3-g", version=3, timeout_s=60)
+    remote.ask(engine)
+    store = connect(channel)
+    assert json.loads(poll(store, "reply/1", time.monotonic() + 60))["status"] == "stream"
+    assert remote.receive_into(engine) >= 4
+    assert int(store.add("requests", 0)) == 1  # the load posted no second pull
+    remote.finish()
+    expected = _expected(model_path)
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in engine.model.state_dict().items())
+    assert _metrics(process)["weights/streams"] == 1.0
+
+
 def test_a_sharded_actor_gathers_and_streams_in_lockstep(tmp_path, model_path):
     """Two FSDP2 ranks (gloo): every rank gathers each parameter in turn, rank 0 sends; the engine gets the
     whole unsharded model, and both ranks end with the sync."""
