@@ -23,10 +23,11 @@ TRACE_ENV = "RLHF_WEIGHTS_TRACE"
 
 def trace(event: str, **fields) -> None:
     """With RLHF_WEIGHTS_TRACE=1 in the workers' environment, one line per step of a hand-over on both sides
-    (`weights-trace <wall clock> pid=<pid> <event> ...`), to line the actor's and the rollout's logs up."""
+    (`weights-trace <wall clock> pid=<pid> <event> ...`), to line the actor's and the rollout's logs up.
+    Written to the process's stderr itself: a flow's `log_prints` would send a print to Prefect's logger."""
     if os.environ.get(TRACE_ENV) == "1":
         details = "".join(f" {name}={value}" for name, value in fields.items())
-        print(f"weights-trace {time.time():.6f} pid={os.getpid()} {event}{details}", flush=True)
+        os.write(2, f"weights-trace {time.time():.6f} pid={os.getpid()} {event}{details}\n".encode())
 
 class StreamError(RuntimeError):
     """The stream broke: the other side went away or went silent."""
