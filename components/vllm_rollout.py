@@ -184,9 +184,9 @@ class VLLMRolloutEngine:
         """Send the live model's tensors bucket by bucket (one bucket on the sender's device at a time);
         returns the number of buckets."""
         count = 0
-        tensors = source.tensors()  # raises StaleWeightsError before the engine is touched
+        tensors = source.tensors(cast=False)  # raises StaleWeightsError before the engine is touched
         self.begin_load()
-        for bucket in pack_buckets(tensors, self.bucket_bytes, self._bucket_buffers):
+        for bucket in pack_buckets(tensors, self.bucket_bytes, self._bucket_buffers, source.dtype):
             self.load_bucket(bucket.specs, self._payload(bucket))
             count += 1
         self.finish_load()

@@ -176,8 +176,8 @@ class WeightSender:
                 return
             started = time.perf_counter()
             device = next(model.parameters()).device
-            self._stream(self._answer(number, pull, device), compute_tensors(model, current.dtype), device,
-                         current.bucket_bytes, current.ack_timeout_s)
+            self._stream(self._answer(number, pull, device), compute_tensors(model, current.dtype, cast=False), device,
+                         current.bucket_bytes, current.ack_timeout_s, dtype=current.dtype)
             sync = str(pull.get("sync"))
             with self._ended_changed:
                 streams, sending = self._sent.get(sync, (0, 0.0))
@@ -297,15 +297,16 @@ class WeightSender:
         return group
 
     def _stream(self, plan: dict, tensors: Iterator, device: torch.device, bucket_bytes: int,
-                ack_timeout_s: float) -> None:
-        """Send every bucket of one pull. On a broken stream the rest is still iterated (the other ranks of a
-        sharded actor gather in lockstep) but not sent; the receiver sees no `end` and falls back."""
+                ack_timeout_s: float, dtype: torch.dtype | None = None) -> None:
+        """Send every bucket of one pull (floating tensors cast to `dtype` as they are packed, when given). On a
+        broken stream the rest is still iterated (the other ranks of a sharded actor gather in lockstep) but not
+        sent; the receiver sees no `end` and falls back."""
         number, count, failed = plan["number"], 0, None
         try:
             group = self._group(plan, ack_timeout_s) if plan["method"] == COLLECTIVE_KIND else None
         except StreamError as error:
             group, failed = None, error
-        for bucket in pack_buckets(tensors, bucket_bytes, self._buffers):
+        for bucket in pack_buckets(tensors, bucket_bytes, self._buffers, dtype):
             if failed is not None:
                 continue
             trace("send.packed", number=number, bucket=count)

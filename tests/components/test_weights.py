@@ -58,6 +58,29 @@ def test_buckets_unpack_to_the_same_tensors_at_any_bucket_size(bucket_bytes):
         assert len(list(pack_buckets(iter(tensors), bucket_bytes))) == 1
 
 
+@pytest.mark.parametrize("bucket_bytes", [1, 10_000])
+def test_buckets_cast_as_they_pack_hold_what_casting_first_would(bucket_bytes):
+    """pack_buckets(dtype=...) on uncast tensors: the same bytes and specs as packing tensors cast first
+    (floating ones only; integers keep their dtype), strided sources included."""
+    model = _Tied()
+    with torch.no_grad():
+        model.embed.weight.copy_(torch.randn(10, 4, generator=torch.Generator().manual_seed(1)) * 1.2345)
+    extra = [("strided", torch.randn(4, 6, generator=torch.Generator().manual_seed(2)).t())]
+
+    def packed(buckets):
+        return [(bucket.specs, bucket.buffer[:bucket.nbytes].clone()) for bucket in buckets]
+
+    cast_first = packed(pack_buckets(iter([*compute_tensors(model, torch.bfloat16),
+                                           *[(n, t.to(torch.bfloat16)) for n, t in extra]]), bucket_bytes))
+    cast_in = packed(pack_buckets(iter([*compute_tensors(model, torch.bfloat16, cast=False), *extra]), bucket_bytes,
+                                  dtype=torch.bfloat16))
+    assert [specs for specs, _ in cast_in] == [specs for specs, _ in cast_first]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(cast_in, cast_first))
+    dtypes = {name: dtype for specs, _ in cast_in for name, dtype, _, _ in specs}
+    assert dtypes == {"steps": "int64", "embed.weight": "bfloat16", "norm.weight": "bfloat16",
+                      "norm.bias": "bfloat16", "strided": "bfloat16"}
+
+
 def test_an_unknown_dtype_in_a_bucket_is_refused_by_name():
     with pytest.raises(ValueError, match="tensor 'x' has dtype 'complex64'"):
         unpack_bucket([("x", "complex64", [1], 0)], torch.zeros(8, dtype=torch.uint8))
