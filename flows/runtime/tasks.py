@@ -23,7 +23,7 @@ from prefect.runtime import task_run
 
 from components.distributed import broadcast_call, is_distributed
 from flows.runtime import worker
-from flows.runtime.residents import forget_earlier_run
+from flows.runtime.residents import LOAD_COUNTS, forget_earlier_run
 from flows.runtime.system_metrics import start_system_metrics
 
 
@@ -136,7 +136,10 @@ def stage_task(function: Callable[..., dict], name: str):
             forget_earlier_run(config)
             # Here, not at worker start: the MLflow run exists only once the driver has started the flow.
             start_system_metrics(config, worker.CURRENT.state["role"])
+            loads = sum(LOAD_COUNTS.values())
             result = {**function(*args, **kwargs), "worker_started_at": started_at}
+            if sum(LOAD_COUNTS.values()) != loads:  # a model was loaded: before another stage can talk to it
+                worker.settle_heap()
             worker.publish_result(str(task_run.id), result)  # the driver's fast path (flows.runtime.dispatch)
             return result
 

@@ -67,3 +67,29 @@ def test_task_runs_are_named_stage_dash_step_from_the_call_as_prefect_binds_it()
     assert name(task, "config", step=12) == "rollout-12"
     assert name(task.with_options(retries=2), "config", 1) == "rollout-1"  # as the driver submits it
     assert name(stage_task(warm_start, "warm_start"), "config") == "warm_start"  # no step
+
+
+def test_settling_a_workers_heap_frees_its_garbage_and_leaves_the_living_out_of_later_collections():
+    """worker.settle_heap (after a worker's imports, after a stage that loaded a model): garbage is collected
+    first, not frozen; what is alive is frozen, so a later full collection does not visit it."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    garbage = Node()
+    garbage.me = garbage  # a cycle: only a collection frees it
+    dead = weakref.ref(garbage)
+    del garbage
+    alive = Node()
+    alive.me = alive
+    gc.unfreeze()
+    try:
+        worker.settle_heap()
+        assert dead() is None
+        assert gc.get_freeze_count() > 0
+        assert not any(item is alive for item in gc.get_objects())  # frozen: out of every generation
+    finally:
+        gc.unfreeze()
+    assert any(item is alive for item in gc.get_objects())
