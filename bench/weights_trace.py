@@ -27,12 +27,13 @@ def read(paths: list[str]) -> list[tuple[float, str, str, str]]:
 
 
 def hand_overs(events: list[tuple[float, str, str, str]]) -> list[list[tuple[float, str, str, str]]]:
-    """The events from each `sync.start` (the transport's; else the engine's wake or its pull) up to the next
-    `sync.end` (else the load's end), with the sender's events in between."""
+    """The events from each `sync.start` (the transport's; else the engine's pull) up to the next `sync.end`
+    (else the load's end), with the sender's events in between. An engine's wake outside of them (its first
+    generation, from the model's folder) is no hand-over and is left out."""
     groups, current = [], None
     for event in events:
         name = event[2]
-        if current is None and name in ("engine.wake", "recv.pull", "sync.start"):
+        if current is None and name in ("recv.pull", "sync.start"):  # a wake with no pull: no hand-over
             current = []
         if current is not None:
             current.append(event)
