@@ -107,7 +107,7 @@ def pack_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
     bucket: Bucket | None = None
     for name, tensor in tensors:
         target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        size = tensor.numel() * torch.empty((), dtype=target).element_size()
+        size = tensor.numel() * target.itemsize
         if bucket is not None and (bucket.nbytes + size > bucket.buffer.numel() or bucket.buffer.device != tensor.device):
             yield bucket
             bucket = None
