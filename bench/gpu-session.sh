@@ -12,7 +12,9 @@
 #   bash bench/gpu-session.sh wk       one H200, GPU 0: product GRPO with the actor and the rollout in workers of their
 #                                      own (bench/step.py --workers), trainer.weight_sync=storage then memory, at the
 #                                      WK_PRESET shape (default qwen2.5-0.5b; built here unless it is the 0.5B one);
-#                                      grpo-workers-<preset>-<mode>.json; WK_MODES="memory storage" for the other order
+#                                      grpo-workers-<preset>-<mode>.json; WK_MODES="memory storage" for the other order;
+#                                      PRODUCT_SET as for phase t; WK_SETS="a=1;b=2 c=3" runs each mode once per
+#                                      variant (;-separated, each with PRODUCT_SET), named -<mode>-<last key's end><value> (-default: empty)
 #   bash bench/gpu-session.sh big      one H200, GPU 0: product GRPO at the Qwen2.5-1.5B shape, then at the 3B shape
 #                                      (grpo-1gpu-1.5b.json, grpo-1gpu-3b.json; models built here in bf16 under
 #                                      /tmp/rlhf-bench-models/<preset>), bounded by DEADLINE_S as `one`;
@@ -141,9 +143,15 @@ for phase in "$@"; do
        preset=${WK_PRESET:-qwen2.5-0.5b}
        model=$MODEL
        if [ "$preset" != qwen2.5-0.5b ]; then build_model "$preset" || continue; model=/tmp/rlhf-bench-models/$preset; fi
-       for mode in ${WK_MODES:-storage memory}; do
-         MODEL=$model run "grpo-workers-$preset-$mode" 0 bench/step.py --algorithm grpo --gpus 1 --workers \
-           --preset "$preset" --steps "${STEPS:-2}" --set "trainer.weight_sync=$mode"
+       variants=(); while IFS= read -r -d ';' variant; do variants+=("$variant"); done <<< "${WK_SETS:-};"
+       for variant in "${variants[@]}"; do
+         product_set=(); for item in ${PRODUCT_SET:-} $variant; do product_set+=(--set "$item"); done
+         last=${variant##* }; key=${last%%=*}
+         tag=; [ ${#variants[@]} -gt 1 ] && tag=-${last:+${key##*.}${last#*=}}; [ "$tag" = - ] && tag=-default
+         for mode in ${WK_MODES:-storage memory}; do
+           MODEL=$model run "grpo-workers-$preset-$mode$tag" 0 bench/step.py --algorithm grpo --gpus 1 --workers \
+             --preset "$preset" --steps "${STEPS:-2}" --set "trainer.weight_sync=$mode" "${product_set[@]}"
+         done
        done ;;
     one) shared_prefect_server  # one H200: the three 0.5B rows of the table, back to back on GPU 0
        export DEADLINE_S=${DEADLINE_S:-590}

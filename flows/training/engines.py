@@ -65,14 +65,20 @@ def vllm_options(config: Config, visible: int) -> dict:
     if config.trainer.device.startswith("cuda:") and config.trainer.device != "cuda:0":
         raise ValueError(f"trainer.device={config.trainer.device!r}: the vLLM engine runs on the first visible GPU; "
                          "pin GPUs with CUDA_VISIBLE_DEVICES or the placement (trainer.execution=workers)")
+    sleeps = rollout_sleeps(config, on_gpu)
+    max_model_len = config.data.max_prompt_length + rollout.max_new_tokens
+    sized = sleeps and rollout.kv_cache_gib is None and rollout.gpu_memory_utilization is None
     return dict(
         dtype=config.model.compute_dtype, tensor_parallel_size=tensor_parallel if on_gpu else 1,
         gpu_memory_utilization=rollout.gpu_memory_utilization or (0.4 if shares else 0.85),
         kv_cache_gib=rollout.kv_cache_gib or (None if on_gpu else 1.0),
-        max_model_len=config.data.max_prompt_length + rollout.max_new_tokens,
+        # A sleeping engine's KV cache holds one step's samples at full length, each engine its share of the
+        # prompts (components/kv_cache.py; the engine falls back to gpu_memory_utilization where it cannot tell).
+        kv_cache_tokens=-(-config.data.prompts_per_step // rollout.engines) * rollout.n * max_model_len if sized else None,
+        max_model_len=max_model_len,
         seed=config.trainer.seed, trust_remote_code=config.model.trust_remote_code,
         enforce_eager=rollout.enforce_eager if rollout.enforce_eager is not None else not on_gpu,
-        sleep=rollout_sleeps(config, on_gpu),
+        sleep=sleeps,
         custom_all_reduce=rollout.custom_all_reduce,
         bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20,
     )

@@ -58,10 +58,10 @@ def _hf_logprobs(model, prompt: list[int], response: list[int], temperature: flo
     return logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
-def _max_gap(generations, model) -> float:
+def _max_gap(generations, model, prompts=PROMPTS) -> float:
     """The largest |engine log-prob - transformers log-prob| over the sampled tokens of `generations`."""
     return float(torch.cat([
-        (torch.tensor(g.logprobs) - _hf_logprobs(model, PROMPTS[g.prompt_index], g.response_ids, 1.0)).abs()
+        (torch.tensor(g.logprobs) - _hf_logprobs(model, prompts[g.prompt_index], g.response_ids, 1.0)).abs()
         for g in generations]).max())
 
 
@@ -343,6 +343,36 @@ def test_weights_load_into_every_engine(two_engines, model_path, tmp_path):
         two_engines.load_weights(model_path)
     after = two_engines.generate(PROMPTS, sampled)
     assert [g.response_ids for g in after] == [g.response_ids for g in before]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="vLLM's sleep mode runs on CUDA only")
+def test_a_woken_engine_generates_from_its_new_weights_not_from_prefixes_cached_before_its_sleep(
+        engine, model_path, tmp_path):
+    """A sleeping engine (sized by kv_cache_tokens) whose prompts filled whole prefix-cache blocks before it
+    slept: woken by new weights, it generates exactly what transformers computes for them. Where vLLM's sleep
+    empties the prefix cache itself, the wake makes no reset of its own (a stale cache would fail the gap)."""
+    from components.models import load_causal_lm
+    from components.vllm_rollout import VLLMRolloutEngine, sleep_clears_prefix_cache
+
+    prompts = [list(range(10, 30)), list(range(40, 60))]  # 20 tokens: a whole 16-token block each
+    sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, ignore_eos=True, seed=5)
+    sleeper = VLLMRolloutEngine(model_path, dtype="float32", kv_cache_tokens=2 * 2 * 32, max_model_len=32,
+                                enforce_eager=True, seed=0, sleep=True, tokenizer=engine.tokenizer)
+    try:
+        sleeper.generate(prompts, sampled)
+        sleeper.generate(prompts, sampled)  # the second one finds the prompts' blocks cached
+        assert sleeper.asleep
+        resets = []
+        reset = sleeper.llm.reset_prefix_cache
+        sleeper.llm.reset_prefix_cache = lambda *args, **kwargs: resets.append(1) or reset(*args, **kwargs)
+        changed = _perturbed_copy(model_path, tmp_path / "changed", seed=4)
+        sleeper.load_weights(str(changed))
+        assert not sleeper.asleep
+        assert resets == ([] if sleep_clears_prefix_cache() else [1])
+        assert _max_gap(sleeper.generate(prompts, sampled), load_causal_lm(str(changed), dtype="float32",
+                                                                           device="cpu"), prompts) < 1e-3
+    finally:
+        sleeper.close()
 
 
 def test_preloading_vllm_records_what_its_import_changes_and_leaves_the_environment_alone():

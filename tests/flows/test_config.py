@@ -423,6 +423,14 @@ def test_vllm_rollout_options_are_validated():
     assert "rollout.gpu_memory_utilization" in config_error(["rollout.gpu_memory_utilization=1.5"])
 
 
+def test_rollout_sleep_takes_on_and_off_as_typed():
+    # YAML reads a bare on/off as a boolean; README's `rollout.sleep=on|off` must still work
+    assert build_config(None, ["rollout.sleep=off"]).rollout.sleep == "off"
+    assert build_config({"rollout": {"sleep": True}}, []).rollout.sleep == "on"
+    assert build_config(None, ["rollout.sleep=auto"]).rollout.sleep == "auto"
+    assert "rollout.sleep" in config_error(["rollout.sleep=sometimes"])
+
+
 def test_several_rollout_engines_need_vllm():
     message = config_error(["rollout.engines=2", "rollout.engine=hf"])
     assert message.startswith("rollout.engines=2: several engines are vLLM engines"), message

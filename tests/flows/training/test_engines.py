@@ -67,6 +67,18 @@ def test_a_rollout_sharing_its_gpu_takes_less_memory_and_sleeps(cuda):
     assert vllm_options(given, 1)["gpu_memory_utilization"] == 0.6  # an explicit value wins
 
 
+def test_a_sleeping_engine_sizes_its_kv_cache_for_a_steps_samples_unless_told(cuda):
+    local = ["trainer.device=cuda", "trainer.execution=local", "data.prompts_per_step=5", "rollout.n=3"]
+    # ceil(5 prompts / 1 engine) x 3 samples x (64 prompt + 16 new tokens)
+    assert vllm_options(build_config({}, local), 1)["kv_cache_tokens"] == 5 * 3 * 80
+    # two engines generate 3 and 2 of the prompts: each holds the larger share
+    assert vllm_options(build_config({}, [*local, "rollout.engines=2"]), 1)["kv_cache_tokens"] == 3 * 3 * 80
+    for told in ("rollout.gpu_memory_utilization=0.6", "rollout.kv_cache_gib=2", "rollout.sleep=off"):
+        assert vllm_options(build_config({}, [*local, told]), 1)["kv_cache_tokens"] is None, told
+    own = build_config({}, ["trainer.device=cuda", "trainer.execution=workers"])  # no sleep: 0.85 of its GPUs
+    assert vllm_options(own, 1)["kv_cache_tokens"] is None
+
+
 def test_a_tensor_parallel_size_beyond_the_visible_gpus_raises(cuda):
     config = build_config({}, ["trainer.device=cuda", "trainer.execution=workers", "rollout.tensor_parallel_size=4"])
     assert vllm_options(config, 4)["tensor_parallel_size"] == 4
@@ -77,4 +89,4 @@ def test_a_tensor_parallel_size_beyond_the_visible_gpus_raises(cuda):
 def test_on_the_cpu_the_options_take_no_gpu():
     options = vllm_options(build_config({}, ["trainer.device=cpu", "trainer.execution=workers"]), 4)
     assert options["tensor_parallel_size"] == 1 and options["kv_cache_gib"] == 1.0
-    assert options["enforce_eager"] is True and options["sleep"] is False
+    assert options["enforce_eager"] is True and options["sleep"] is False and options["kv_cache_tokens"] is None
