@@ -144,7 +144,9 @@ class VLLMRolloutEngine:
             kv_cache_gib = _sized_kv_cache(path, kv_cache_tokens, dtype, tensor_parallel_size, trust_remote_code)
         if kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-        else:
+        if kv_cache_gib is None or installed_vllm() == "vllm":
+            # With a KV-cache size too, CUDA vLLM still refuses to start unless this share of the GPU is free
+            # (its own default 0.92: never, beside a training role's weights).
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs

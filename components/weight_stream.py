@@ -308,14 +308,16 @@ class WeightSender:
             group = self._group(plan, ack_timeout_s) if plan["method"] == COLLECTIVE_KIND else None
         except StreamError as error:
             group, failed = None, error
-        packing = time.perf_counter()
-        for bucket in pack_buckets(tensors, bucket_bytes, self._buffers, dtype):
+        timed = _TimedTensors(tensors) if tracing() else None
+        packing, cpu = time.perf_counter(), time.thread_time()
+        for bucket in pack_buckets(tensors if timed is None else timed, bucket_bytes, self._buffers, dtype):
             if failed is not None:
                 continue
             trace("send.packed", number=number, bucket=count)
-            if tracing() and time.perf_counter() - packing > SLOW_PACK_S:  # what else ran meanwhile
-                trace("send.pack_slow", number=number, bucket=count,
-                      ms=f"{(time.perf_counter() - packing) * 1e3:.1f}", busy=busy_threads())
+            if timed is not None and time.perf_counter() - packing > SLOW_PACK_S:
+                # this thread's CPU time (below the wall time: it waited), its slowest tensor, and what else ran
+                trace("send.pack_slow", number=number, bucket=count, ms=f"{(time.perf_counter() - packing) * 1e3:.1f}",
+                      cpu_ms=f"{(time.thread_time() - cpu) * 1e3:.1f}", slowest=timed.slowest(), busy=busy_threads())
             try:
                 self._send(number, count, bucket, plan, group, ack_timeout_s)
                 count += 1
@@ -323,7 +325,9 @@ class WeightSender:
                 failed = error
                 if group is not None:  # a collective that failed leaves its group unusable
                     self.groups.pop(str(plan["pull"].get("session")), None)
-            packing = time.perf_counter()
+            packing, cpu = time.perf_counter(), time.thread_time()
+            if timed is not None:
+                timed.restart()
         if failed is None:
             self.store.set(f"{number}/bucket/{count}", json.dumps({"end": True, "count": count}))
             trace("send.end_set", number=number, buckets=count)
@@ -356,6 +360,35 @@ class WeightSender:
 
         poll(self.store, f"{number}/ack/{index}", time.monotonic() + ack_timeout_s, replaced, lambda: STREAM_POLL_S)
         trace("send.ack_seen", number=number, bucket=index)
+
+
+class _TimedTensors:
+    """The tensors of a traced stream, timing each step between two tensors handed out (packing the first,
+    then getting the next); `slowest()` names the longest since it was last asked or `restart()`ed, which
+    leaves the time in between out (a bucket sent and acknowledged)."""
+
+    def __init__(self, tensors: Iterator):
+        self._tensors, self._worst = iter(tensors), (0.0, "-")
+        self._last = (time.perf_counter(), "<start>")
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        name, tensor = next(self._tensors)
+        now = time.perf_counter()
+        elapsed = now - self._last[0]
+        if elapsed > self._worst[0]:
+            self._worst = (elapsed, f"after:{self._last[1]}")
+        self._last = (now, name)
+        return name, tensor
+
+    def restart(self) -> None:
+        self._last, self._worst = (time.perf_counter(), self._last[1]), (0.0, "-")
+
+    def slowest(self) -> str:
+        (elapsed, step), self._worst = self._worst, (0.0, "-")
+        return f"{step}:{elapsed * 1e3:.1f}ms"
 
 
 @dataclass
