@@ -47,7 +47,7 @@ import torch
 from components.weight_channel import (COLLECTIVE_KIND, IDLE_POLL_S, IPC_KIND, STREAM_POLL_S, Channel, StreamError,
                                        broadcast, busy_threads, default_address, encode_share, ipc_payload,
                                        make_group, poll, seconds, trace, tracing)
-from components.weights import BucketBuffers, compute_tensors, pack_buckets
+from components.weights import BucketBuffers, PackPlan, compute_tensors, pack_buckets
 
 SLOW_PACK_S = 0.03  # traced: a bucket that took longer to pack (7-23 ms at the 0.5B shape on one H200)
 
@@ -76,6 +76,7 @@ class WeightSender:
         self._buffers = BucketBuffers()  # the same IPC handle from one hand-over to the next
         self._lock = threading.Lock()
         self._current: _Published | None = None
+        self._plan: PackPlan | None = None  # the last published model's buckets, kept from version to version
         self._thread: threading.Thread | None = None
         self._ended_changed = threading.Condition()
         self._ended: dict[str, str] = {}  # sync -> how it ended (done, abort), until its stage asks
@@ -101,8 +102,12 @@ class WeightSender:
                 ack_timeout_s: float) -> None:
         """Serve `version` of the live `model` (cast to `dtype`) from now on, until `withdraw`, on a thread of
         this process: a pull is answered at once, without waiting for a stage to be dispatched."""
+        # Laid out here, on the thread that trained it, not on the serving thread (see PackPlan).
+        tensors = list(compute_tensors(model, dtype, cast=False, detach=False))
         with self._lock:
-            self._current = _Published(version, weakref.ref(model), dtype, bucket_bytes, ack_timeout_s)
+            if self._plan is None or not self._plan.fits(tensors, bucket_bytes, dtype):
+                self._plan = PackPlan(tensors, bucket_bytes, self._buffers, dtype)
+            self._current = _Published(version, weakref.ref(model), self._plan, ack_timeout_s)
         trace("send.published", version=version)
         self.start_thread()
 
@@ -172,14 +177,13 @@ class WeightSender:
         trace("send.pull_seen", number=number)
         with self._lock:  # withdraw waits for the stream
             current = self._current
-            model = None if current is None else current.model()
+            model = None if current is None or not current.plan.available else current.model()
             if model is None or int(pull.get("version", -1)) != current.version:
                 self._reply(number, {"status": "unavailable", "holds": None if model is None else current.version})
                 return
             started = time.perf_counter()
             device = next(model.parameters()).device
-            self._stream(self._answer(number, pull, device), compute_tensors(model, current.dtype, cast=False), device,
-                         current.bucket_bytes, current.ack_timeout_s, dtype=current.dtype)
+            self._stream(self._answer(number, pull, device), current.plan.buckets(), current.ack_timeout_s)
             sync = str(pull.get("sync"))
             with self._ended_changed:
                 streams, sending = self._sent.get(sync, (0, 0.0))
@@ -204,7 +208,7 @@ class WeightSender:
                 return metrics
             started = time.perf_counter()
             if writer:
-                self._stream(plan, tensors(), device, bucket_bytes, ack_timeout_s)
+                self._stream(plan, pack_buckets(tensors(), bucket_bytes, self._buffers), ack_timeout_s)
             else:
                 for _ in tensors():  # gather in lockstep with rank 0
                     pass
@@ -298,26 +302,23 @@ class WeightSender:
             self.groups[session] = (prefix, group, backend)
         return group
 
-    def _stream(self, plan: dict, tensors: Iterator, device: torch.device, bucket_bytes: int,
-                ack_timeout_s: float, dtype: torch.dtype | None = None) -> None:
-        """Send every bucket of one pull (floating tensors cast to `dtype` as they are packed, when given). On a
-        broken stream the rest is still iterated (the other ranks of a sharded actor gather in lockstep) but not
-        sent; the receiver sees no `end` and falls back."""
+    def _stream(self, plan: dict, buckets: Iterator, ack_timeout_s: float) -> None:
+        """Send every bucket of one pull. On a broken stream the rest is still iterated (the other ranks of a
+        sharded actor gather in lockstep) but not sent; the receiver sees no `end` and falls back."""
         number, count, failed = plan["number"], 0, None
         try:
             group = self._group(plan, ack_timeout_s) if plan["method"] == COLLECTIVE_KIND else None
         except StreamError as error:
             group, failed = None, error
-        timed = _TimedTensors(tensors) if tracing() else None
         packing, cpu = time.perf_counter(), time.thread_time()
-        for bucket in pack_buckets(tensors if timed is None else timed, bucket_bytes, self._buffers, dtype):
+        for bucket in buckets:
             if failed is not None:
                 continue
             trace("send.packed", number=number, bucket=count)
-            if timed is not None and time.perf_counter() - packing > SLOW_PACK_S:
-                # this thread's CPU time (below the wall time: it waited), its slowest tensor, and what else ran
+            if tracing() and time.perf_counter() - packing > SLOW_PACK_S:
+                # this thread's CPU time meanwhile (below the wall time: it waited), and what else runs now
                 trace("send.pack_slow", number=number, bucket=count, ms=f"{(time.perf_counter() - packing) * 1e3:.1f}",
-                      cpu_ms=f"{(time.thread_time() - cpu) * 1e3:.1f}", slowest=timed.slowest(), busy=busy_threads())
+                      cpu_ms=f"{(time.thread_time() - cpu) * 1e3:.1f}", busy=busy_threads())
             try:
                 self._send(number, count, bucket, plan, group, ack_timeout_s)
                 count += 1
@@ -326,8 +327,6 @@ class WeightSender:
                 if group is not None:  # a collective that failed leaves its group unusable
                     self.groups.pop(str(plan["pull"].get("session")), None)
             packing, cpu = time.perf_counter(), time.thread_time()
-            if timed is not None:
-                timed.restart()
         if failed is None:
             self.store.set(f"{number}/bucket/{count}", json.dumps({"end": True, "count": count}))
             trace("send.end_set", number=number, buckets=count)
@@ -362,41 +361,11 @@ class WeightSender:
         trace("send.ack_seen", number=number, bucket=index)
 
 
-class _TimedTensors:
-    """The tensors of a traced stream, timing each step between two tensors handed out (packing the first,
-    then getting the next); `slowest()` names the longest since it was last asked or `restart()`ed, which
-    leaves the time in between out (a bucket sent and acknowledged)."""
-
-    def __init__(self, tensors: Iterator):
-        self._tensors, self._worst = iter(tensors), (0.0, "-")
-        self._last = (time.perf_counter(), "<start>")
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        name, tensor = next(self._tensors)
-        now = time.perf_counter()
-        elapsed = now - self._last[0]
-        if elapsed > self._worst[0]:
-            self._worst = (elapsed, f"after:{self._last[1]}")
-        self._last = (now, name)
-        return name, tensor
-
-    def restart(self) -> None:
-        self._last, self._worst = (time.perf_counter(), self._last[1]), (0.0, "-")
-
-    def slowest(self) -> str:
-        (elapsed, step), self._worst = self._worst, (0.0, "-")
-        return f"{step}:{elapsed * 1e3:.1f}ms"
-
-
 @dataclass
 class _Published:
     version: int
     model: Callable[[], torch.nn.Module | None]  # a weak reference: a released actor is not kept alive
-    dtype: torch.dtype
-    bucket_bytes: int
+    plan: PackPlan  # its buckets (weak references too)
     ack_timeout_s: float
 
 

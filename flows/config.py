@@ -137,9 +137,13 @@ class RolloutConfig(Section):
     """Sequences per generate call (hf engine)."""
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     """vLLM: fraction of the GPU's memory the engine may take (weights, activations, KV cache).
-    Default: 0.85 when the rollout has its GPUs to itself, 0.4 when it shares them with other roles."""
+    Default: 0.85 when the rollout has its GPUs to itself, 0.4 when it shares them with other roles. CUDA
+    vLLM starts only where this share of the GPU is free, with kv_cache_gib too."""
     kv_cache_gib: float | None = Field(None, gt=0)
-    """vLLM: KV-cache size in GiB instead of gpu_memory_utilization (default on the CPU: 1)."""
+    """vLLM: KV-cache size in GiB per GPU instead of what gpu_memory_utilization leaves. Default on the CPU: 1;
+    for an engine that sleeps between generations (and no gpu_memory_utilization given): one step's samples
+    at full length plus 25%, from the model's config (components/kv_cache.py), since waking maps it back
+    every step."""
     tensor_parallel_size: int | None = Field(None, gt=0)
     """vLLM: GPUs per engine. Default: the rollout role's GPUs divided among rollout.engines (1 under
     local execution)."""

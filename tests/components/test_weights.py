@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from components.rollout import HFRolloutEngine
-from components.weights import (InMemoryWeights, StaleWeightsError, compute_tensors, copy_files, pack_buckets,
-                                unpack_bucket, write_copy)
+from components.weights import (BucketBuffers, InMemoryWeights, PackPlan, StaleWeightsError, compute_tensors, copy_files,
+                                pack_buckets, unpack_bucket, write_copy)
 
 
 class _Tied(torch.nn.Module):
@@ -67,19 +67,62 @@ def test_buckets_cast_as_they_pack_hold_what_casting_first_would(bucket_bytes):
         model.embed.weight.copy_(torch.randn(10, 4, generator=torch.Generator().manual_seed(1)) * 1.2345)
     extra = [("strided", torch.randn(4, 6, generator=torch.Generator().manual_seed(2)).t())]
 
-    def packed(buckets):  # the tensors (not the alignment padding between them, which is never written)
-        return [(bucket.specs, [tensor.clone() for _, tensor in unpack_bucket(bucket.specs, bucket.buffer)])
-                for bucket in buckets]
-
-    cast_first = packed(pack_buckets(iter([*compute_tensors(model, torch.bfloat16),
+    cast_first = _unpacked(pack_buckets(iter([*compute_tensors(model, torch.bfloat16),
                                            *[(n, t.to(torch.bfloat16)) for n, t in extra]]), bucket_bytes))
-    cast_in = packed(pack_buckets(iter([*compute_tensors(model, torch.bfloat16, cast=False), *extra]), bucket_bytes,
+    cast_in = _unpacked(pack_buckets(iter([*compute_tensors(model, torch.bfloat16, cast=False), *extra]), bucket_bytes,
                                   dtype=torch.bfloat16))
     assert [specs for specs, _ in cast_in] == [specs for specs, _ in cast_first]
     assert all(torch.equal(a, b) for (_, got), (_, want) in zip(cast_in, cast_first) for a, b in zip(got, want))
     dtypes = {name: dtype for specs, _ in cast_in for name, dtype, _, _ in specs}
     assert dtypes == {"steps": "int64", "embed.weight": "bfloat16", "norm.weight": "bfloat16",
                       "norm.bias": "bfloat16", "strided": "bfloat16"}
+
+
+def _unpacked(buckets):  # each bucket's specs and tensors (not the alignment padding, which is never written)
+    return [(bucket.specs, [tensor.clone() for _, tensor in unpack_bucket(bucket.specs, bucket.buffer)])
+            for bucket in buckets]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 64, 10_000])
+def test_a_plan_packs_version_after_version_what_pack_buckets_would_in_one_torch_call_per_bucket(
+        bucket_bytes, monkeypatch):
+    model = _Tied()
+    plan = PackPlan(list(compute_tensors(model, torch.bfloat16, cast=False, detach=False)), bucket_bytes, BucketBuffers(),
+                    torch.bfloat16)
+    calls = []
+    copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda *args, **kwargs: calls.append(1) or copy(*args, **kwargs))
+    for seed in (1, 2):  # the optimizer changes the weights in place: the same plan packs the new values
+        with torch.no_grad():
+            model.embed.weight.copy_(torch.randn(10, 4, generator=torch.Generator().manual_seed(seed)) * 1.2345)
+            model.norm.bias.add_(seed)
+        want = _unpacked(pack_buckets(compute_tensors(model, torch.bfloat16, cast=False), bucket_bytes,
+                                      dtype=torch.bfloat16))
+        calls.clear()
+        got = _unpacked(plan.buckets())
+        assert [specs for specs, _ in got] == [specs for specs, _ in want]
+        assert all(torch.equal(a, b) for (_, g), (_, w) in zip(got, want) for a, b in zip(g, w))
+        assert len(calls) == len(want)  # one call into torch per bucket
+    assert got[0][1][0].dtype == torch.int64  # steps: integers keep their dtype
+
+
+def test_a_plan_fits_only_the_same_tensors_and_keeps_no_released_model_alive():
+    import gc
+    import weakref
+
+    model = _Tied()
+    tensors = list(compute_tensors(model, torch.float32, cast=False, detach=False))
+    plan = PackPlan(tensors, 64, BucketBuffers(), torch.bfloat16)
+    assert plan.available and plan.fits(list(compute_tensors(model, torch.float32, cast=False, detach=False)), 64, torch.bfloat16)
+    assert not plan.fits(tensors, 128, torch.bfloat16) and not plan.fits(tensors, 64, torch.float16)
+    model.norm.weight = torch.nn.Parameter(torch.ones(4))  # a new tensor object (e.g. a model reloaded)
+    assert not plan.fits(list(compute_tensors(model, torch.float32, cast=False, detach=False)), 64, torch.bfloat16)
+    weight = weakref.ref(model.embed.weight)
+    del model, tensors
+    gc.collect()
+    assert weight() is None and not plan.available  # the plan held the model's tensors weakly
+    with pytest.raises(StaleWeightsError, match="released"):
+        next(plan.buckets())
 
 
 def test_an_unknown_dtype_in_a_bucket_is_refused_by_name():
