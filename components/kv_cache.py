@@ -38,3 +38,20 @@ def kv_cache_gib_for(model_config, tokens: int, dtype: str, tensor_parallel: int
         return None
     gib = tokens * per_token * KV_HEADROOM / 2**30
     return max(GRANULE_GIB, math.ceil(gib / GRANULE_GIB) * GRANULE_GIB)
+
+
+def sized_kv_cache_gib(path: str, tokens: int, dtype: str, tensor_parallel: int = 1,
+                       trust_remote_code: bool = False) -> float | None:
+    """`kv_cache_gib_for` the model at `path` (a folder or hub name: its config only is read), said in the log;
+    None (gpu_memory_utilization decides) where its config does not tell."""
+    from transformers import AutoConfig
+
+    from components.models import model_source
+
+    config = AutoConfig.from_pretrained(model_source(path), trust_remote_code=trust_remote_code)
+    gib = kv_cache_gib_for(config, tokens, dtype, tensor_parallel)
+    print(f"vLLM KV cache: {gib} GiB per GPU for {tokens:,} tokens (a step's samples at full length; "
+          "rollout.kv_cache_gib or rollout.gpu_memory_utilization sets it)" if gib is not None else
+          "vLLM KV cache: sized by gpu_memory_utilization (the model's attention is not one kv_cache.py sizes)",
+          flush=True)
+    return gib

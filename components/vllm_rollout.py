@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from components.kv_cache import kv_cache_gib_for
-from components.models import model_source
+from components.kv_cache import sized_kv_cache_gib
 from components.rollout import Generation, SamplingParams, logprob_prompts
 from components.weight_channel import ipc_payload, trace
 from components.weight_pull import LOAD_PARTS, RemoteWeights, new_session
@@ -107,20 +106,6 @@ def sleep_clears_prefix_cache() -> bool:
     return (major, minor) >= (0, 26)
 
 
-def _sized_kv_cache(path: str, tokens: int, dtype: str, tensor_parallel: int, trust_remote_code: bool) -> float | None:
-    """GiB of KV cache for `tokens` (components/kv_cache.py), said in the log; None (gpu_memory_utilization
-    decides) where the model's config does not tell."""
-    from transformers import AutoConfig
-
-    gib = kv_cache_gib_for(AutoConfig.from_pretrained(model_source(path), trust_remote_code=trust_remote_code),
-                           tokens, dtype, tensor_parallel)
-    print(f"vLLM KV cache: {gib} GiB per GPU for {tokens:,} tokens (a step's samples at full length; "
-          "rollout.kv_cache_gib or rollout.gpu_memory_utilization sets it)" if gib is not None else
-          "vLLM KV cache: sized by gpu_memory_utilization (the model's attention is not one kv_cache.py sizes)",
-          flush=True)
-    return gib
-
-
 class VLLMRolloutEngine:
     """Generation with vLLM's offline `LLM` engine (implements `components.protocols.RolloutRole`)."""
 
@@ -141,7 +126,7 @@ class VLLMRolloutEngine:
                       # functions cross processes (VLLM_ALLOW_INSECURE_SERIALIZATION stays off).
                       worker_extension_cls="components.vllm_worker.WeightReceiver")
         if kv_cache_gib is None and kv_cache_tokens:
-            kv_cache_gib = _sized_kv_cache(path, kv_cache_tokens, dtype, tensor_parallel_size, trust_remote_code)
+            kv_cache_gib = sized_kv_cache_gib(path, kv_cache_tokens, dtype, tensor_parallel_size, trust_remote_code)
         if kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         if kv_cache_gib is None or installed_vllm() == "vllm":

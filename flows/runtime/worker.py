@@ -295,8 +295,9 @@ def settle_heap() -> None:
     out of every later collection, as vLLM's engine core does at its start. A worker with torch,
     transformers, Prefect and MLflow imported holds ~630k objects, whose full collection took 260 ms on a
     2-core machine; a collection stops every thread of the process, the actor's weights thread in the middle
-    of a hand-over included. (On one H200 a bucket of the 0.5B model once took 0.75 s to pack instead of
-    7-23 ms: a collection is one candidate cause, not proven.)"""
+    of a hand-over included. (With it, the actors' workers of four GPU runs made two collections of 5 ms or
+    more, 35 and 50 ms, none during a hand-over; the packing stalls point to the GIL: components/weights.py,
+    PackPlan.)"""
     started = time.perf_counter()
     gc.collect()
     gc.freeze()

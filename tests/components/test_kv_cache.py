@@ -7,7 +7,7 @@ import importlib.metadata
 from transformers import DeepseekV3Config, Qwen2Config
 
 from components import vllm_rollout
-from components.kv_cache import kv_bytes_per_token, kv_cache_gib_for
+from components.kv_cache import kv_bytes_per_token, kv_cache_gib_for, sized_kv_cache_gib
 
 # Qwen2.5-0.5B's attention: 24 layers, 14 query heads, 2 key-value heads of 64 dims
 QWEN_05B = Qwen2Config(num_hidden_layers=24, hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
@@ -31,6 +31,13 @@ def test_a_steps_samples_in_gib_with_headroom_rounded_up():
     assert kv_cache_gib_for(QWEN_05B, tokens, "float32") == 11.25  # 9 x 1.25
     assert kv_cache_gib_for(QWEN_05B, 16, "bfloat16") == 0.25  # never below one quarter GiB
     assert kv_cache_gib_for(QWEN_05B, tokens, "auto") == 5.75  # the model's dtype (none given: bf16)
+
+
+def test_the_engine_sizes_from_its_models_folder_and_says_so(model_path, capsys):
+    # the role tests' tiny model: 1 layer, 1 kv head of 64 dims -> 2 x 1 x 1 x 64 x 4 B = 512 B per float32 token
+    assert sized_kv_cache_gib(model_path, 2**21, "float32") == 1.25  # 1 GiB x 1.25
+    assert "vLLM KV cache: 1.25 GiB per GPU for 2,097,152 tokens" in capsys.readouterr().out
+    assert sized_kv_cache_gib(model_path, 2**21, "bfloat16") == 0.75  # 0.5 GiB x 1.25, rounded up
 
 
 def test_latent_attention_is_left_to_gpu_memory_utilization():
