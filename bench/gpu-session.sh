@@ -15,6 +15,7 @@
 #                                      grpo-workers-<preset>-<mode>.json; WK_MODES="memory storage" for the other order;
 #                                      PRODUCT_SET as for phase t; WK_SETS="a=1;b=2 c=3" runs each mode once per
 #                                      variant (;-separated, each with PRODUCT_SET), named -<mode>-<last key's end><value> (-default: empty)
+#   bash bench/gpu-session.sh pc       one GPU: bench/pack_convoy.py --device cuda (pack-convoy.json)
 #   bash bench/gpu-session.sh big      one H200, GPU 0: product GRPO at the Qwen2.5-1.5B shape, then at the 3B shape
 #                                      (grpo-1gpu-1.5b.json, grpo-1gpu-3b.json; models built here in bf16 under
 #                                      /tmp/rlhf-bench-models/<preset>), bounded by DEADLINE_S as `one`;
@@ -91,7 +92,7 @@ shared_prefect_server() {  # one Prefect server for every run of the session (sa
 case " $* " in *" table "*|*" t "*|*" t1 "*|*" t2 "*|*" s1 "*|*" ae "*|*" pe "*|*" te "*|*" one "*|*" big "*|*" ws "*|*" wk "*)
   shared_prefect_server start ;; esac
 case " $* " in
-  " big ") ;;  # builds its own models (1.5B, 3B), not the 0.5B one
+  " big "|" pc ") ;;  # big builds its own models (1.5B, 3B), not the 0.5B one; pc needs none
   " wk ") [ "${WK_PRESET:-qwen2.5-0.5b}" = qwen2.5-0.5b ] && \
             "$PY" -c "from bench.common import make_random_model; print(make_random_model('$MODEL'))" ;;
   *) "$PY" -c "from bench.common import make_random_model; print(make_random_model('$MODEL'))" ;;
@@ -128,6 +129,7 @@ run() {  # run NAME GPUS COMMAND...: log to $OUT/NAME.log, keep the JSON in $OUT
 
 for phase in "$@"; do
   case $phase in
+    pc) CUDA_VISIBLE_DEVICES=0 "$PY" bench/pack_convoy.py --device cuda --out "$OUT/pack-convoy.json" ;;  # one GPU, seconds
     w) export DEADLINE_S=${DEADLINE_S:-590}  # one H200: weight hand-over, storage then memory, 0.5B then 1.5B shape
        run weight-sync-0.5b 0 bench/weight_sync.py --preset qwen2.5-0.5b
        build_model qwen2.5-1.5b && MODEL=/tmp/rlhf-bench-models/qwen2.5-1.5b run weight-sync-1.5b 0 \
