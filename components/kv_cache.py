@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from components.models import model_source
+
 KV_HEADROOM = 1.25
 """Room above the estimate (vLLM's blocks round each sequence up; its own buffers)."""
 GRANULE_GIB = 0.25
@@ -45,8 +47,6 @@ def sized_kv_cache_gib(path: str, tokens: int, dtype: str, tensor_parallel: int 
     """`kv_cache_gib_for` the model at `path` (a folder or hub name: its config only is read), said in the log;
     None (gpu_memory_utilization decides) where its config does not tell."""
     from transformers import AutoConfig
-
-    from components.models import model_source
 
     config = AutoConfig.from_pretrained(model_source(path), trust_remote_code=trust_remote_code)
     gib = kv_cache_gib_for(config, tokens, dtype, tensor_parallel)
