@@ -60,6 +60,12 @@ class Bucket:
     specs: list[tuple[str, str, list[int], int]] = field(default_factory=list)
     nbytes: int = 0
 
+    def place(self, name: str, dtype: torch.dtype, shape, offset: int, size: int) -> torch.Tensor:
+        """Record a tensor of `size` bytes at `offset` (as `_layout` put it); returns its view of the buffer."""
+        self.specs.append((name, str(dtype).removeprefix("torch."), list(shape), offset))
+        self.nbytes = _aligned(offset + size)
+        return self.buffer[offset:offset + size].view(dtype).view(shape)
+
 
 def _aligned(size: int, alignment: int = 256) -> int:
     return (size + alignment - 1) // alignment * alignment
@@ -111,10 +117,6 @@ def _layout(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtyp
         used = _aligned(used + size)
 
 
-def _view(buffer: torch.Tensor, offset: int, size: int, dtype: torch.dtype, shape) -> torch.Tensor:
-    return buffer[offset:offset + size].view(dtype).view(shape)
-
-
 def pack_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
                  buffers: BucketBuffers | None = None, dtype: torch.dtype | None = None) -> Iterator[Bucket]:
     """Pack `tensors` into buckets of at most `bucket_bytes` (a larger tensor gets a bucket of its own). One
@@ -131,9 +133,7 @@ def pack_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
             if bucket is not None:
                 yield bucket
             bucket, current = Bucket(buffers.get(capacity, tensor.device)), index
-        _view(bucket.buffer, offset, size, target, tensor.shape).copy_(tensor)
-        bucket.specs.append((name, str(target).removeprefix("torch."), list(tensor.shape), offset))
-        bucket.nbytes = _aligned(offset + size)
+        bucket.place(name, target, tensor.shape, offset, size).copy_(tensor)
     if bucket is not None and bucket.specs:
         yield bucket
 
@@ -164,10 +164,8 @@ class PackPlan:
             if index == len(self._buckets):
                 self._buckets.append((Bucket(shared[tensor.device]), [], []))
             bucket, views, sources = self._buckets[index]
-            views.append(_view(bucket.buffer, offset, size, target, tensor.shape))
+            views.append(bucket.place(name, target, tensor.shape, offset, size))
             sources.append(position)
-            bucket.specs.append((name, str(target).removeprefix("torch."), list(tensor.shape), offset))
-            bucket.nbytes = _aligned(offset + size)
 
     def fits(self, tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None) -> bool:
         """Whether this plan still packs `tensors` (the same tensor objects, storage and shapes) as asked."""

@@ -48,6 +48,9 @@ def test_a_wake_skips_the_prefix_cache_reset_only_where_sleep_emptied_it(monkeyp
     monkeypatch.setattr(vllm_rollout, "installed_vllm", lambda: "vllm")
     for version, clears in (("0.26.0", True), ("0.32.0+cpu", True), ("1.0.0", True), ("0.25.1", False), ("dev", False)):
         monkeypatch.setattr(importlib.metadata, "version", lambda _name, version=version: version)
+        vllm_rollout.sleep_clears_prefix_cache.cache_clear()  # read once per process
         assert vllm_rollout.sleep_clears_prefix_cache() is clears, version
     monkeypatch.setattr(vllm_rollout, "installed_vllm", lambda: None)
+    vllm_rollout.sleep_clears_prefix_cache.cache_clear()
     assert vllm_rollout.sleep_clears_prefix_cache() is False
+    vllm_rollout.sleep_clears_prefix_cache.cache_clear()  # the next reader sees the installed build
