@@ -7,8 +7,9 @@ folder, and a driver that stops at once when its Prefect server is gone.
   for the whole run: a second live run of the same name is refused before it starts anything, and
   `run.overwrite` can never delete a live run's folder. The kernel drops the lock when the holder dies,
   however it dies. Only for a local storage root (a remote one has no flock; documented).
-- `ServerWatch`: a thread that notices a lost Prefect server within seconds and ends the driver with
-  one line instead of minutes of client retries.
+- `ServerWatch`: a thread that ends the driver with one line when its Prefect server is gone (the process it
+  started exited: at once; a server that leaves /health unanswered: after SERVER_PATIENCE_S) instead of the
+  client's retries.
 """
 
 from __future__ import annotations
@@ -151,35 +152,54 @@ def _read_holder(descriptor: int) -> str:
     return f"pid {holder.get('pid')} on {holder.get('host')}"
 
 
+SERVER_PATIENCE_S = 60.0
+"""How long a Prefect server may leave /health unanswered before the driver takes it for lost. A server that is
+only busy answers late: on the 2-core CI machine, beside two runs' ten processes, the test server left three
+2-second looks in a row unanswered and a live run was ended as if its server were gone. The process of a server
+we started is watched as well: its exit ends the run at once."""
+
+
 class ServerWatch:
-    """Polls the Prefect server (its process when we started it, else its /health) every `interval_s`; after
-    `misses` failed looks in a row calls `on_lost(reason)` once, from the watch thread."""
+    """Polls the Prefect server every `interval_s`: calls `on_lost(reason)` once, from the watch thread, when the
+    server process we started exits, or when /health has gone unanswered for `patience_s`."""
 
     def __init__(self, api_url: str, on_lost: Callable[[str], None], process=None, interval_s: float = 1.0,
-                 misses: int = 3):
+                 patience_s: float = SERVER_PATIENCE_S):
         self.api_url, self.on_lost, self.process = api_url, on_lost, process
-        self.interval_s, self.misses = interval_s, misses
+        self.interval_s, self.patience_s = interval_s, patience_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rlhf-server-watch", daemon=True)
 
-    def _healthy(self) -> tuple[bool, str]:
+    def _exited(self) -> str | None:
         if self.process is not None and self.process.poll() is not None:
-            return False, f"the Prefect server (pid {self.process.pid}) exited with code {self.process.returncode}"
+            return f"the Prefect server (pid {self.process.pid}) exited with code {self.process.returncode}"
+        return None
+
+    def _answer(self) -> str | None:
+        """None when /health answered 200, else what happened."""
         try:
-            with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as response:
-                return response.status == 200, f"the Prefect server at {self.api_url} answered {response.status}"
+            with urllib.request.urlopen(f"{self.api_url}/health", timeout=min(2.0, self.patience_s / 3)) as response:
+                return None if response.status == 200 else f"answered {response.status}"
         except OSError as error:
-            return False, f"the Prefect server at {self.api_url} stopped answering ({getattr(error, 'reason', error)})"
+            return f"did not answer ({getattr(error, 'reason', error)})"
 
     def _watch(self) -> None:
-        failed = 0
+        answered = time.monotonic()
         while not self._stop.wait(self.interval_s):
-            healthy, reason = self._healthy()
-            failed = 0 if healthy else failed + 1
-            if failed >= self.misses or (self.process is not None and self.process.poll() is not None):
-                if not self._stop.is_set() and not STOPPING.is_set():
-                    self.on_lost(reason)
-                return
+            reason = self._exited()
+            if reason is None:
+                problem = self._answer()
+                if problem is None:
+                    answered = time.monotonic()
+                    continue
+                silent_s = time.monotonic() - answered
+                if silent_s < self.patience_s:
+                    continue
+                reason = self._exited() or (f"the Prefect server at {self.api_url} stopped answering: {problem} "
+                                            f"for {silent_s:.0f} s")
+            if not self._stop.is_set() and not STOPPING.is_set():
+                self.on_lost(reason)
+            return
 
     @contextlib.contextmanager
     def running(self) -> Iterator["ServerWatch"]:

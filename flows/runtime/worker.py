@@ -324,6 +324,34 @@ def preload_modules(modules) -> None:
         print(f"preloaded {module} in {time.perf_counter() - started:.1f} s", flush=True)
 
 
+RESUBSCRIBE_WAIT_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+"""Waits before subscribing again after Prefect's task worker ended, the n-th time in a row (then the last)."""
+
+
+def serve_until_stopped(tasks: list) -> None:
+    """Serve `tasks` (one stage at a time: a role's model is not safe to use from two stages at once) until this
+    process is stopped. A stop (SIGTERM or SIGINT: the CLI raises KeyboardInterrupt in the main thread, where this
+    waits; Prefect runs `serve` in a thread of its own and leaves the signals alone) ends this too; any other end
+    is a broken subscription to the server, and the worker subscribes again rather than exit with its model and
+    training state. Prefect reconnects only after a refused or broken connection: a reconnect that times out
+    (the server busy for 10 s) ends its `serve` without an error. That had ended all four workers of a run at
+    once, with code 0, on the 2-core CI machine, and the replaced actor no longer held the weights the rollout
+    waited for. A stage still running when the subscription ends finishes first (Prefect's executor waits for it):
+    two stages never run at once."""
+    in_a_row = 0
+    while True:
+        started = time.monotonic()
+        try:
+            serve(*tasks, limit=1)
+            reason = "its subscription to the server ended"
+        except Exception as error:  # noqa: BLE001 - printed; the worker subscribes again
+            reason = f"{type(error).__name__}: {error}"
+        in_a_row = 1 if time.monotonic() - started > 60 else in_a_row + 1
+        wait_s = RESUBSCRIBE_WAIT_S[min(in_a_row, len(RESUBSCRIBE_WAIT_S)) - 1]
+        print(f"task worker: {reason}; subscribing again in {wait_s:g} s", flush=True)
+        time.sleep(wait_s)
+
+
 def serve_role(role: str, visible: str, tasks: list, directory: str | None = None, preload=(),
                sharded: bool = False) -> None:
     """Serve this role's stage `tasks` until stopped, its devices already pinned (`visible`: what
@@ -350,8 +378,7 @@ def serve_role(role: str, visible: str, tasks: list, directory: str | None = Non
         with CURRENT.preloading(preload):
             preload_modules(preload)
             settle_heap()
-        # One stage at a time: a role's model is not safe to use from two stages at once.
-        serve(*tasks, limit=1)
+        serve_until_stopped(tasks)
     finally:
         stop_system_metrics()
         CURRENT.stop()
