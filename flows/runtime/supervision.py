@@ -59,7 +59,7 @@ def watch_parent(on_death: Callable[[], None], interval_s: float = 0.5) -> None:
     def watch() -> None:
         while True:
             time.sleep(interval_s)
-            if os.getppid() != parent and not _alive(parent):
+            if os.getppid() != parent and not pid_alive(parent):
                 print(f"the process this worker serves (pid {parent}) is gone; exiting", flush=True)
                 on_death()
                 os._exit(1)
@@ -67,7 +67,8 @@ def watch_parent(on_death: Callable[[], None], interval_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="rlhf-parent-watch", daemon=True).start()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host has `pid` (a zombie counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
