@@ -32,6 +32,7 @@ network: the token keeps stray clients out of the protocol, not an attacker who 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import secrets
@@ -63,6 +64,15 @@ def _choose_method(pull: dict, device: torch.device) -> tuple[str, str | None]:
     return COLLECTIVE_KIND, "gloo"
 
 
+_OPEN_SENDERS: "weakref.WeakSet[WeightSender]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_senders() -> None:
+    for sender in list(_OPEN_SENDERS):
+        sender.close()
+
+
 class WeightSender:
     """The actor's side: hosts the channel (rank 0) and answers pulls with its live weights (`serve`)."""
 
@@ -82,6 +92,8 @@ class WeightSender:
         self._ended: dict[str, str] = {}  # sync -> how it ended (done, abort), until its stage asks
         self._awaited = 0  # stages waiting in wait_done (see _pace)
         self._sent: dict[str, tuple[int, float]] = {}  # sync -> (streams, seconds sending)
+        self._closed = threading.Event()
+        _OPEN_SENDERS.add(self)
 
     def open(self) -> Channel:
         """Start the channel's store (once per process); returns where it listens."""
@@ -93,6 +105,14 @@ class WeightSender:
         return self.channel
 
     def close(self) -> None:
+        """Stop answering: the thread ends (within a second or so) before the store and the groups are let go. A
+        thread still in a call of the store when the process ends aborted it ('terminate called without an
+        active exception', exit code 134: half the runs of the streamed transport tests): every sender still
+        open is closed at exit."""
+        self._closed.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10)
         self.groups.clear()
         self.store, self.channel = None, None
 
@@ -153,9 +173,9 @@ class WeightSender:
         return STREAM_POLL_S if self._current is not None or self._awaited else IDLE_POLL_S
 
     def _run(self) -> None:
-        while self.store is not None:
+        while self.store is not None and not self._closed.is_set():
             try:
-                got = self._message(time.monotonic() + 60, lambda: False, self._pace)
+                got = self._message(time.monotonic() + 60, self._closed.is_set, self._pace)
                 if got is None:
                     continue
                 number, message = got

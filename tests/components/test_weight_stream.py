@@ -280,3 +280,19 @@ def test_a_senders_thread_polls_at_the_stream_pace_while_a_pull_may_come(monkeyp
         assert pauses[-1][1] == weight_channel.IDLE_POLL_S
     finally:
         sender.close()
+
+
+def test_a_closed_sender_stops_its_thread_before_it_lets_the_store_go():
+    """A thread still in a call of the store when the process ended aborted it (exit code 134, after every test
+    had passed); close, which also runs at exit, ends the thread first."""
+    from components.weight_stream import _OPEN_SENDERS, WeightSender
+
+    sender = WeightSender()
+    sender.open()
+    sender.publish(1, torch.nn.Linear(2, 2), torch.float32, 2**20, 5.0)  # serving: polls at the stream pace
+    thread = sender._thread
+    assert thread.is_alive() and sender in _OPEN_SENDERS
+    started = time.monotonic()
+    sender.close()
+    assert not thread.is_alive() and time.monotonic() - started < 5
+    assert sender.store is None and sender.channel is None
