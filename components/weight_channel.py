@@ -102,8 +102,8 @@ class Channel:
                    token=str(fields["token"]), pid=int(fields["pid"]))
 
     def reachable_address(self) -> str:
-        """The loopback on the sender's own host, else its published address."""
-        return "127.0.0.1" if socket.gethostname() == self.host else self.address
+        """Where its store listens: on that address only (`listen`), from this host or another."""
+        return self.address
 
 
 def default_address() -> str:
@@ -115,6 +115,30 @@ def default_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def listen(address: str | None = None) -> tuple[str, int]:
+    """(address, fd) of a socket listening on one address of this host only, for a channel's store: `address`,
+    else default_address(). A store of its own would listen on every interface. An address set by hand
+    (RLHF_WEIGHTS_ADDRESS) that is not this host's fails here, saying so; a host name that resolves to an address
+    this host does not have falls back to the loopback, for receivers on this host only."""
+    chosen = address or default_address()
+    try:
+        return chosen, _listening_fd(chosen)
+    except OSError as error:
+        if address or os.environ.get("RLHF_WEIGHTS_ADDRESS"):
+            raise StreamError(f"RLHF_WEIGHTS_ADDRESS={chosen}: the actor's weights channel cannot listen there "
+                              f"({error.strerror or error}); set an address of this host") from None
+        print(f"weights channel: this host's name resolves to {chosen}, where it cannot listen "
+              f"({error.strerror or error}); listening on 127.0.0.1, for rollouts on this host only "
+              "(RLHF_WEIGHTS_ADDRESS sets the address other hosts reach)", flush=True)
+        return "127.0.0.1", _listening_fd("127.0.0.1")
+
+
+def _listening_fd(address: str) -> int:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.create_server((address, 0), family=family, backlog=128)
+    return listener.detach()  # the store owns it from now on
 
 
 def seconds(value: float) -> datetime.timedelta:

@@ -26,8 +26,9 @@ to the others (`decide`), so that all ranks gather the same parameters, one at a
 
 Failures. A receiver that goes silent mid-stream is given up after `ack_timeout_s`, or as soon as a newer
 pull arrives (its replacement); a sender that dies makes the receiver's store calls fail, and the receiver
-falls back to the stored copy (flows/runtime/transport.py). The store's port, like NCCL's, is for a trusted
-network: the token keeps stray clients out of the protocol, not an attacker who can read the run folder.
+falls back to the stored copy (flows/runtime/transport.py). The store listens on the channel's address only
+(`listen`: the loopback when every worker is on one host); its port, like NCCL's, is for a trusted network: the
+token keeps stray clients out of the protocol, not an attacker who can read the run folder.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from typing import Callable, Iterator
 import torch
 
 from components.weight_channel import (COLLECTIVE_KIND, IDLE_POLL_S, IPC_KIND, STREAM_POLL_S, Channel, StreamError,
-                                       broadcast, busy_threads, default_address, encode_share, ipc_payload,
+                                       broadcast, busy_threads, encode_share, ipc_payload, listen,
                                        make_group, poll, seconds, trace, tracing)
 from components.weights import BucketBuffers, PackPlan, compute_tensors, pack_buckets
 
@@ -98,10 +99,11 @@ class WeightSender:
     def open(self) -> Channel:
         """Start the channel's store (once per process); returns where it listens."""
         if self.channel is None:
-            self.store = torch.distributed.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
-                                                    timeout=seconds(60))
-            self.channel = Channel(host=socket.gethostname(), address=self.address or default_address(),
-                                   port=int(self.store.port), token=secrets.token_hex(16), pid=os.getpid())
+            address, fd = listen(self.address)
+            self.store = torch.distributed.TCPStore(address, 0, is_master=True, wait_for_workers=False,
+                                                    timeout=seconds(60), master_listen_fd=fd)
+            self.channel = Channel(host=socket.gethostname(), address=address, port=int(self.store.port),
+                                   token=secrets.token_hex(16), pid=os.getpid())
         return self.channel
 
     def close(self) -> None:

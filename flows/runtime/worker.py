@@ -348,7 +348,7 @@ def serve_until_stopped(tasks: list) -> None:
             reason = f"{type(error).__name__}: {error}"
         in_a_row = 1 if time.monotonic() - started > 60 else in_a_row + 1
         wait_s = RESUBSCRIBE_WAIT_S[min(in_a_row, len(RESUBSCRIBE_WAIT_S)) - 1]
-        print(f"task worker: {reason}; subscribing again in {wait_s:g} s", flush=True)
+        print(f"{time.strftime('%H:%M:%S')} task worker: {reason}; subscribing again in {wait_s:g} s", flush=True)
         time.sleep(wait_s)
 
 

@@ -50,6 +50,8 @@ def worker_pool(config: Config, api_url: str) -> Iterator["WorkerPool"]:
     heartbeat_directory = heartbeat_directory_for(config)
     env = worker_environment(api_url, config.run.storage_root, heartbeat_directory, config.run.name)
     env[TASK_SCOPE_ENV] = config.run.name
+    # Every worker is on this host: the actor's weights channel listens on the loopback only, unless set.
+    env.setdefault("RLHF_WEIGHTS_ADDRESS", "127.0.0.1")
     previous_scope = os.environ.get(TASK_SCOPE_ENV)
     os.environ["RLHF_WORKER_DIR"] = heartbeat_directory
     os.environ[TASK_SCOPE_ENV] = config.run.name

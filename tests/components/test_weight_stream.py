@@ -296,3 +296,48 @@ def test_a_closed_sender_stops_its_thread_before_it_lets_the_store_go():
     sender.close()
     assert not thread.is_alive() and time.monotonic() - started < 5
     assert sender.store is None and sender.channel is None
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """The local addresses (IPv4, dotted) on which a socket of this host listens at `port` (/proc/net/tcp)."""
+    found = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, port_hex = local.split(":")
+        if state == "0A" and int(port_hex, 16) == port:
+            found.append(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+def test_the_channels_store_listens_on_its_address_only_and_a_bad_address_is_one_line(monkeypatch, capsys):
+    """TCPStore's own server listens on every interface; the channel's listens where the channel file says."""
+    from components import weight_channel
+    from components.weight_stream import WeightSender
+
+    monkeypatch.setenv("RLHF_WEIGHTS_ADDRESS", "127.0.0.1")
+    sender = WeightSender()
+    try:
+        channel = sender.open()
+        assert channel.address == "127.0.0.1"
+        assert _listening_addresses(channel.port) == ["127.0.0.1"]
+        weight_channel.connect(channel).set("probe", "1")  # a receiver reaches it at that address
+        assert sender.store.get("probe") == b"1"
+    finally:
+        sender.close()
+
+    # An address of another host, set by hand: one line naming it, before anything listens.
+    monkeypatch.setenv("RLHF_WEIGHTS_ADDRESS", "192.0.2.1")  # TEST-NET-1: nobody's address
+    with pytest.raises(StreamError, match=r"^RLHF_WEIGHTS_ADDRESS=192\.0\.2\.1: the actor's weights channel cannot "
+                                          r"listen there \(.+\); set an address of this host$"):
+        WeightSender().open()
+
+    # A host name that resolves to an address this host lacks: the loopback, said once.
+    monkeypatch.delenv("RLHF_WEIGHTS_ADDRESS")
+    monkeypatch.setattr(weight_channel.socket, "gethostbyname", lambda name: "192.0.2.1")
+    sender = WeightSender()
+    try:
+        channel = sender.open()
+        assert channel.address == "127.0.0.1" and _listening_addresses(channel.port) == ["127.0.0.1"]
+    finally:
+        sender.close()
+    assert "this host's name resolves to 192.0.2.1, where it cannot listen" in capsys.readouterr().out

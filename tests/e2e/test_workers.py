@@ -4,6 +4,7 @@ loads its model once, and a worker killed in the middle of a stage is replaced w
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -97,6 +98,8 @@ def test_each_stage_runs_in_its_role_worker_which_loads_its_model_once(prefect_a
     assert sorted(step for stage, step in by_role["actor"]["finished"] if stage == "send_weights") == [1, 1, 2]
     layout = RunLayout(config.run.storage_root, config.run.name)
     assert layout.step_folders(f"{layout.run_dir}/weights/actor") == [2]
+    # Every worker on this host: the actor's channel listens on the loopback only.
+    assert json.loads(Path(layout.run_dir, "weights", "actor", "channel.json").read_text())["address"] == "127.0.0.1"
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(config.tracking.tracking_uri)
