@@ -84,7 +84,7 @@ class StreamError(RuntimeError):
 
 @dataclass(frozen=True)
 class Channel:
-    """Where a sender listens; `token` goes with every message."""
+    """Where a sender listens (`address`, on this one only: `listen`); `token` goes with every message."""
 
     host: str
     address: str
@@ -100,10 +100,6 @@ class Channel:
         fields = json.loads(text)
         return cls(host=str(fields["host"]), address=str(fields["address"]), port=int(fields["port"]),
                    token=str(fields["token"]), pid=int(fields["pid"]))
-
-    def reachable_address(self) -> str:
-        """Where its store listens: on that address only (`listen`), from this host or another."""
-        return self.address
 
 
 def default_address() -> str:
@@ -122,11 +118,12 @@ def listen(address: str | None = None) -> tuple[str, int]:
     else default_address(). A store of its own would listen on every interface. An address set by hand
     (RLHF_WEIGHTS_ADDRESS) that is not this host's fails here, saying so; a host name that resolves to an address
     this host does not have falls back to the loopback, for receivers on this host only."""
-    chosen = address or default_address()
+    configured = address or os.environ.get("RLHF_WEIGHTS_ADDRESS")
+    chosen = configured or default_address()
     try:
         return chosen, _listening_fd(chosen)
     except OSError as error:
-        if address or os.environ.get("RLHF_WEIGHTS_ADDRESS"):
+        if configured:
             raise StreamError(f"RLHF_WEIGHTS_ADDRESS={chosen}: the actor's weights channel cannot listen there "
                               f"({error.strerror or error}); set an address of this host") from None
         print(f"weights channel: this host's name resolves to {chosen}, where it cannot listen "
@@ -148,10 +145,10 @@ def seconds(value: float) -> datetime.timedelta:
 def connect(channel: Channel, timeout_s: float = 10.0):
     """A client of the channel's store (StreamError when it cannot be reached)."""
     try:
-        return torch.distributed.TCPStore(channel.reachable_address(), channel.port, is_master=False,
+        return torch.distributed.TCPStore(channel.address, channel.port, is_master=False,
                                           timeout=seconds(timeout_s))
     except RuntimeError as error:
-        raise StreamError(f"cannot reach the actor's weights channel at {channel.reachable_address()}:{channel.port} "
+        raise StreamError(f"cannot reach the actor's weights channel at {channel.address}:{channel.port} "
                           f"({error.__class__.__name__})") from error
 
 

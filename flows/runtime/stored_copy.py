@@ -2,20 +2,31 @@
 and StreamTransport): one per run folder at a time, on a thread of its own. First the snapshot (the
 compute-dtype tensors to the host), once the version has reached the rollout (`copy_due`) or after
 HANDOVER_FIRST_S; then the writing and the atomic commit. A checkpoint, the export and the next update ask
-for it at once (`copy_due`); a process that ends finishes its copies first.
+for it at once (`copy_due`); a process that ends finishes its copies first. From its start to its commit the
+copy is claimed (`claim`: `weights/actor/<k>.writer.json`, host and pid), so that a reader in another process
+waits for it only while its writer lives (`writer_gone`).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import json
+import os
+import socket
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable
+
+from flows.runtime.supervision import pid_alive
+from storage import write_bytes_atomic
 
 HANDOVER_FIRST_S = 60.0
 """How long a stored copy's snapshot waits for its version's hand-over to the rollout to end first: on one
 H200 at the Qwen2.5-0.5B shape, the validation's pull of a version beside its snapshot took 1.10 s against
 0.08-0.21 s alone (the snapshot's GPU reads and host copies compete with the sender's buckets)."""
+UNCLAIMED_COPY_WAIT_S = 10.0
+"""How long a reader waits for a stored copy that no process has claimed."""
 
 
 class StoredCopy:
@@ -88,3 +99,25 @@ def _finish_copies() -> None:
             copy.written.result()
         except BaseException:  # noqa: BLE001 - an unwritten copy is not committed; nothing waits for it now
             pass
+
+
+def claim(fs, path: str) -> None:
+    """Say at `path` that this process writes a stored copy (until `release`)."""
+    write_bytes_atomic(fs, path, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode())
+
+
+def release(fs, path: str) -> None:
+    with contextlib.suppress(OSError):
+        fs.rm(path)
+
+
+def writer_gone(fs, path: str, waited_s: float) -> str | None:
+    """Why nobody will commit the copy claimed at `path` (its writer's process ended; none claimed it for
+    UNCLAIMED_COPY_WAIT_S), else None. A writer on another host is taken for alive."""
+    try:
+        writer = json.loads(fs.cat_file(path))
+    except (OSError, ValueError):
+        return None if waited_s < UNCLAIMED_COPY_WAIT_S else "no process is writing it"
+    if writer.get("host") == socket.gethostname() and not pid_alive(int(writer.get("pid", 0))):
+        return f"the process that was writing it (pid {writer.get('pid')}) has ended"
+    return None

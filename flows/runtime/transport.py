@@ -26,10 +26,6 @@ actor's weights through a `Transport`. Batches are always Parquet files of the r
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import socket
 import time
 from typing import Any, Mapping, Protocol
 
@@ -43,14 +39,11 @@ from components.weight_stream import WeightSender
 from components.weights import InMemoryWeights, compute_tensors, copy_files, write_copy
 from flows.config import Config, layout_for
 from flows.runtime.recovery import prune_weights
-from flows.runtime.stored_copy import copy_due, start_copy
-from flows.runtime.supervision import pid_alive
+from flows.runtime.stored_copy import claim, copy_due, release, start_copy, writer_gone
 from storage import COMMITTED_MARKER, RunLayout, atomic_directory, read_stage, write_bytes_atomic, write_stage
 
 STORED_COPY_WAIT_S = 300.0
 """How long a reader waits for a stored copy that another process is still writing in the background."""
-UNCLAIMED_COPY_WAIT_S = 10.0
-"""How long a reader waits for a stored copy that no process says it is writing (`weights/actor/<v>.writer.json`)."""
 ACK_TIMEOUT_S = 120.0
 """How long a sender waits for the rollout to take one bucket (a replaced receiver pulls again sooner)."""
 
@@ -139,7 +132,7 @@ class StorageTransport:
         started = time.monotonic()
         while not self.layout.fs.exists(f"{folder}/{COMMITTED_MARKER}"):
             waited_s = time.monotonic() - started
-            gone = self._writer_gone(version, waited_s)
+            gone = writer_gone(self.layout.fs, self.writer_path(version), waited_s)
             if gone and not self.layout.fs.exists(f"{folder}/{COMMITTED_MARKER}"):  # committed meanwhile: taken
                 raise RuntimeError(f"policy version {version} has no stored copy under {folder}, and {gone}")
             if gone is None and waited_s > timeout_s:
@@ -148,19 +141,8 @@ class StorageTransport:
         return folder
 
     def writer_path(self, version: int) -> str:
-        """Who writes the stored copy of `version` in the background (host, pid), from its publish to its commit."""
+        """Where the writer of the stored copy of `version` claims it (flows/runtime/stored_copy.py: claim)."""
         return f"{self.layout.run_dir}/weights/actor/{version}.writer.json"
-
-    def _writer_gone(self, version: int, waited_s: float) -> str | None:
-        """Why nobody will commit the copy of `version` (its writer's process ended; none claimed it for
-        UNCLAIMED_COPY_WAIT_S), else None. A writer on another host is taken for alive."""
-        try:
-            writer = json.loads(self.layout.fs.cat_file(self.writer_path(version)))
-        except (OSError, ValueError):
-            return None if waited_s < UNCLAIMED_COPY_WAIT_S else "no process is writing it"
-        if writer.get("host") == socket.gethostname() and not pid_alive(int(writer.get("pid", 0))):
-            return f"the process that was writing it (pid {writer.get('pid')}) has ended"
-        return None
 
     def sync_weights(self, engine, version: int, sync: str | None = None) -> dict[str, float]:
         # The newest committed copy at or before `version` (a resumed run may hold newer ones already).
@@ -190,8 +172,7 @@ class MemoryTransport(StorageTransport):
         # Off the step's critical path, after the hand-over (flows/runtime/stored_copy.py): the snapshot in the
         # compute dtype on the host (the model stays as it is until withdraw_weights, which waits for it), then
         # the writing and the atomic commit. A reader in another process waits for it while this process lives.
-        write_bytes_atomic(self.layout.fs, self.writer_path(version),
-                           json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode())
+        claim(self.layout.fs, self.writer_path(version))
         files = copy_files(model, compute_dtype)
         start_copy(key, version, lambda: {name: tensor.to("cpu", copy=True)
                                           for name, tensor in compute_tensors(model, compute_dtype, tied_once=False)},
@@ -203,8 +184,7 @@ class MemoryTransport(StorageTransport):
             with atomic_directory(self.layout.fs, self.layout.weights_dir("actor", version)) as local:
                 write_copy(local, files, state)
         finally:  # committed, or failed (this process raises it where the copy is needed): no longer being written
-            with contextlib.suppress(OSError):
-                self.layout.fs.rm(self.writer_path(version))
+            release(self.layout.fs, self.writer_path(version))
         prune_weights(self.layout, version, self.keep_weights)
 
     def handed_over(self, version: int) -> None:

@@ -357,7 +357,7 @@ def test_a_stored_copy_being_written_is_waited_for_only_while_its_writer_lives(t
     import threading
     import time
 
-    from flows.runtime import transport as module
+    from flows.runtime import stored_copy as module
 
     reader = StorageTransport(RunLayout(str(tmp_path), "r"))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
