@@ -15,6 +15,8 @@
 #                                      grpo-workers-<preset>-<mode>.json; WK_MODES="memory storage" for the other order;
 #                                      PRODUCT_SET as for phase t; WK_SETS="a=1;b=2 c=3" runs each mode once per
 #                                      variant (;-separated, each with PRODUCT_SET), named -<mode>-<last key's end><value> (-default: empty)
+#   bash bench/gpu-session.sh ck       one H200, GPU 0: bench/checkpoint.py (a checkpoint written at once against in the
+#                                      background) at the 0.5B, then the 1.5B shape (checkpoint-0.5b.json, checkpoint-1.5b.json)
 #   bash bench/gpu-session.sh pc       one GPU: bench/pack_convoy.py --device cuda (pack-convoy.json)
 #   bash bench/gpu-session.sh big      one H200, GPU 0: product GRPO at the Qwen2.5-1.5B shape, then at the 3B shape
 #                                      (grpo-1gpu-1.5b.json, grpo-1gpu-3b.json; models built here in bf16 under
@@ -122,13 +124,17 @@ run() {  # run NAME GPUS COMMAND...: log to $OUT/NAME.log, keep the JSON in $OUT
   CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "$PY" "$@" --model-dir "$MODEL" --out "$OUT/$name.json" \
     > "$LOGS/$name.log" 2>&1
   local rc=$?
-  echo "== $(date +%T) (+$((SECONDS - STARTED)) s) $name exit $rc"; grep -E "^\| |^stage seconds|^== (storage|memory)" "$LOGS/$name.log" | cut -c1-400 || tail -25 "$LOGS/$name.log"
+  echo "== $(date +%T) (+$((SECONDS - STARTED)) s) $name exit $rc"; grep -E "^\| |^stage seconds|^checkpoint seconds|^== (storage|memory)" "$LOGS/$name.log" | cut -c1-400 || tail -25 "$LOGS/$name.log"
   [ $rc -eq 0 ] || tail -40 "$LOGS/$name.log"
   pack_logs
 }
 
 for phase in "$@"; do
   case $phase in
+    ck) export DEADLINE_S=${DEADLINE_S:-590}  # one H200: a checkpoint at once against in the background, 0.5B then 1.5B
+       run checkpoint-0.5b 0 bench/checkpoint.py --preset qwen2.5-0.5b
+       build_model qwen2.5-1.5b && MODEL=/tmp/rlhf-bench-models/qwen2.5-1.5b run checkpoint-1.5b 0 \
+         bench/checkpoint.py --preset qwen2.5-1.5b ;;
     pc) CUDA_VISIBLE_DEVICES=0 "$PY" bench/pack_convoy.py --device cuda --out "$OUT/pack-convoy.json" ;;  # one GPU, seconds
     w) export DEADLINE_S=${DEADLINE_S:-590}  # one H200: weight hand-over, storage then memory, 0.5B then 1.5B shape
        run weight-sync-0.5b 0 bench/weight_sync.py --preset qwen2.5-0.5b

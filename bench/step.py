@@ -252,6 +252,11 @@ def run_product(args) -> dict:
         "val_weights_s_all": {name: after_warmup(f"val-aux/timing_s/{name}") for name in (
             "weight_sync", "send_weights", "weight_wait", "weight_load", "weight_apply")},
         "stream_fallbacks": len(after_warmup("weights/stream_fallback")),
+        # per step: the checkpoint stage (outside timing_s/step; in the background only the copy to host memory)
+        # and the next update's wait for the writing (inside timing_s/step), with trainer.checkpoint_every=1
+        "checkpoint_s_all": {name: after_warmup(f"timing_s/{name}") for name in (
+            "checkpoint_actor", "checkpoint_critic", "checkpoint_wait")},
+        "checkpoint_host_gib": after_warmup("checkpoint/actor_host_gib"),
         "preset": args.preset, "parameters": parameter_count(model_config),
         "compute_dtype": getattr(model_section, "compute_dtype", getattr(model_section, "dtype", None)),
         "master_dtype": getattr(model_section, "master_dtype", None),
@@ -353,6 +358,9 @@ def main() -> None:
     result = run_product(args)
     print(table([result]))
     print("stage seconds (mean after warm-up): " + ", ".join(f"{k} {v:.2f}" for k, v in result["stage_s"].items()))
+    if any(result["checkpoint_s_all"].values()):
+        print("checkpoint seconds per step after warm-up: " + ", ".join(
+            f"{name} {[round(v, 3) for v in values]}" for name, values in result["checkpoint_s_all"].items() if values))
     print(f"{result['parameters']:,} parameters, compute {result['compute_dtype']}, masters {result['master_dtype']}; "
           f"weights vs initial over {result.get('weights_compared_tensors')} tensors: changed "
           f"{result.get('weights_changed_fraction')}, mean |Δw| {result.get('weights_mean_abs_delta')}, RMS ratio "

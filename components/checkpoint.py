@@ -4,9 +4,17 @@ A role checkpoint is a Hugging Face folder (so it also loads as a model) plus `t
 written through storage.atomic_directory (temporary name, then rename, `_COMMITTED` last): a crash
 or a full disk while writing leaves the previous checkpoint as it was. With a sharded (FSDP) role
 every rank takes part in gathering the state and rank 0 writes it.
+
+Taking the state (`role_state`) and writing it (`write_role_state`) are apart, so that a checkpoint can be
+written in the background while the role trains on (flows/runtime/checkpoints.py): with `host_copy` the
+state is copied off the live tensors into host memory first (tied tensors stay tied).
 """
 
 from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,20 +36,102 @@ def _optimizer_state(updater: Updater) -> dict | None:
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_role_checkpoint(fs, path: str, model, updater: Updater, tokenizer=None) -> None:
-    """Write the role's full training state to `path` (a folder on the run's filesystem)."""
+def _map_tensors(value, function):
+    """`value` (tensors in dicts, lists, tuples) with `function` applied to each tensor."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, dict):
+        return {name: _map_tensors(item, function) for name, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(item, function) for item in value)
+    return value
+
+
+def _memory_key(tensor: torch.Tensor) -> tuple:
+    return str(tensor.device), tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()
+
+
+def _on_host(value, buffers: dict | None = None):
+    """`value` with every tensor in it copied to host memory; tensors that share memory share their copy.
+    A GPU tensor is copied into page-locked memory (a fast copy) taken from `buffers` (memory key -> host
+    tensor) when given, so that the next copy of the same tensors reuses it; `buffers` is left holding
+    the memory of this copy only."""
+    copies: dict = {}
+    on_gpu = False
+
+    def copied(tensor):
+        nonlocal on_gpu
+        key = _memory_key(tensor)
+        if key in copies:
+            return copies[key]
+        if tensor.device.type == "cpu":
+            copies[key] = tensor.detach().clone()
+            return copies[key]
+        on_gpu = True
+        buffer = buffers.get(key) if buffers is not None else None
+        if buffer is None:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        copies[key] = buffer.copy_(tensor.detach(), non_blocking=True)
+        return copies[key]
+
+    copied_value = _map_tensors(value, copied)
+    if on_gpu:
+        torch.cuda.synchronize()  # the copies are done before the role's next update changes its tensors
+    if buffers is not None:
+        buffers.clear()
+        buffers.update((key, tensor) for key, tensor in copies.items() if tensor.is_pinned())
+    return copied_value
+
+
+@dataclass
+class RoleState:
+    """A role's training state as a checkpoint holds it. `model` and `tokenizer` only give the folder its
+    format (config, tokenizer files); the tensors are `weights` and `trainer_state`'s."""
+    weights: dict[str, torch.Tensor]
+    trainer_state: dict[str, Any]
+    model: Any
+    tokenizer: Any = None
+
+    def nbytes(self) -> int:
+        """Bytes of its tensors (each memory counted once)."""
+        sizes: dict = {}
+        _map_tensors((self.weights, self.trainer_state),
+                     lambda tensor: sizes.setdefault(_memory_key(tensor), tensor.numel() * tensor.element_size()))
+        return sum(sizes.values())
+
+
+def role_state(model, updater: Updater, tokenizer=None, host_copy: bool = False,
+               host_buffers: dict | None = None) -> RoleState | None:
+    """The role's full training state now (a collective when sharded; None on the ranks that do not write).
+    `host_copy`: copied into host memory, so that it stays as it is while the role trains on (a sharded
+    role's is gathered into new host tensors anyway), into `host_buffers` (see _on_host) when given: the
+    caller keeps them for its next copy once this one is written."""
     weights = full_state_dict(model)
     optimizer = _optimizer_state(updater)
     if not is_writer():
-        return
+        return None
+    if host_copy and not is_distributed():
+        weights, optimizer = _on_host((weights, optimizer), host_buffers)
+    scheduler = updater.scheduler.state_dict() if updater.scheduler is not None else None
+    return RoleState(weights, {"optimizer": optimizer, "scheduler": copy.deepcopy(scheduler),
+                               "updates": updater.updates, "torch_rng": torch.get_rng_state()},
+                     model, tokenizer)
+
+
+def write_role_state(fs, path: str, state: RoleState) -> None:
+    """Write a role's state to `path` (a folder on the run's filesystem), committed atomically."""
     with atomic_directory(fs, path) as local:
-        model.save_pretrained(local, state_dict=weights)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(local)
-        torch.save({"optimizer": optimizer,
-                    "scheduler": updater.scheduler.state_dict() if updater.scheduler is not None else None,
-                    "updates": updater.updates, "torch_rng": torch.get_rng_state()},
-                   f"{local}/{TRAINER_STATE}")
+        state.model.save_pretrained(local, state_dict=state.weights)
+        if state.tokenizer is not None:
+            state.tokenizer.save_pretrained(local)
+        torch.save(state.trainer_state, f"{local}/{TRAINER_STATE}")
+
+
+def save_role_checkpoint(fs, path: str, model, updater: Updater, tokenizer=None) -> None:
+    """Write the role's full training state to `path` now (a folder on the run's filesystem)."""
+    state = role_state(model, updater, tokenizer)
+    if state is not None:
+        write_role_state(fs, path, state)
 
 
 def load_trainer_state(updater: Updater, local_path: str) -> None:

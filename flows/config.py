@@ -244,6 +244,11 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(1, ge=0)
     """Checkpoint actor and critic (weights, optimizer, RNG) and the driver every N steps (0: never);
     a resumed run restarts from the latest one, so N=1 redoes at most the failed step."""
+    checkpoint_async: bool = True
+    """Write checkpoints in the background: the checkpoint stage copies the role's training state into host
+    memory (weights and AdamW state: 12 bytes per parameter in float32, for as long as the writing takes) and
+    the next step starts at once; the next update waits until the checkpoint is committed. The run's last
+    checkpoint is written at once. false: the run waits for each checkpoint to be written."""
     keep_checkpoints: int = Field(2, gt=0)
     """How many checkpoints to keep (the oldest are deleted once a newer one is committed)."""
     keep_weights: int | None = Field(3, ge=2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from components.algorithms import make_kl_controller
 from flows.config import Config, ConfigError, RunConfig, layout_for
 from flows.runtime.artifacts import PrefectArtifacts, recorded_rows
 from flows.runtime.dispatch import ProgressRelay, RemoteStage
+from flows.runtime.checkpoints import CHECKPOINT_QUIET_S, in_background, wait_written
+from flows.runtime.console import long_work
 from flows.runtime.attempts import end_dead_attempts, end_own_dead_attempt, record_attempt
 from flows.runtime.recovery import (check_step_files, commit_checkpoint, driver_state, finished_stage_metrics,
                                     latest_checkpoint, read_run_record, record_resume_changes, record_stage_metrics,
@@ -50,6 +53,8 @@ class RunState:
     senders: list[tuple[str, Pending]] = field(default_factory=list)
     """(sync, stage) of the actor's send_weights stages still running beside the stage they feed."""
     relay: ProgressRelay = field(default_factory=ProgressRelay)  # the workers' progress lines, on this terminal
+    unsettled: tuple | None = None
+    """(step, roles, driver state) of the checkpoint whose roles' parts are still being written."""
 
     def run(self, stage, *args) -> dict[str, float]:
         """Run one stage and wait for it; return its metrics."""
@@ -120,12 +125,41 @@ class RunState:
     def already_logged(self, step: int) -> bool:
         return step <= self.logged.get("timing_s/step", -1)
 
-    def checkpoint(self, step: int, stages: list) -> None:
-        """Checkpoint the state at the start of `step`: roles first, then the driver and the pointer."""
+    def checkpoint(self, step: int, stages: list) -> dict[str, float]:
+        """Checkpoint the state at the start of `step`: roles first, then the driver and the pointer; the
+        roles' parts in the background (flows/runtime/checkpoints.py): committed by `settle_checkpoint`."""
+        metrics: dict[str, float] = {}
         for pending in [self.submit(stage, step) for stage in stages]:
-            self.wait(pending)
-        commit_checkpoint(layout_for(self.config), step, {"kl_controller": self.kl_controller.state_dict()},
-                          keep=self.config.trainer.keep_checkpoints)
+            metrics |= self.wait(pending)
+        self.unsettled = (step, [stage.role for stage in stages], {"kl_controller": self.kl_controller.state_dict()})
+        if not in_background(self.config, step):
+            self.settle_checkpoint()
+        return metrics
+
+    def settle_checkpoint(self, stopping: bool = False) -> dict[str, float]:
+        """Commit the checkpoint whose roles' parts are being written, once they are (before the next update
+        changes the roles). A part that will not be committed fails the run; `stopping` (the run ends
+        already): it is only said."""
+        if self.unsettled is None:
+            return {}
+        (step, roles, state), self.unsettled = self.unsettled, None
+        layout, started = layout_for(self.config), time.perf_counter()
+        who = "the run, stopping," if stopping else "the next update"
+        what = f"checkpoint at step {step}: {who} waits for the {' and '.join(roles)} to write it"
+        with long_work(what, f"{what}: {{seconds:.0f}} s so far",
+                       f"checkpoint at step {step}: waited {{seconds:.1f}} s for its writing",
+                       announce_after_s=CHECKPOINT_QUIET_S):
+            missing = {role: why for role in roles if (why := wait_written(layout, step, role)) is not None}
+        for role, why in missing.items():
+            latest = latest_checkpoint(layout)
+            message = (f"checkpoint at step {step}: the {role}'s part was not written ({why}); the latest "
+                       f"checkpoint stays {'none' if latest is None else f'step {latest}'}")
+            if stopping:
+                print(message)
+                return {}
+            raise RuntimeError(f"{message}; `rlhf resume {layout.run_name}` restarts from it")
+        commit_checkpoint(layout, step, state, keep=self.config.trainer.keep_checkpoints)
+        return {"timing_s/checkpoint_wait": time.perf_counter() - started}
 
 
 def run_name_for_this_flow_run(run: RunConfig) -> str:

@@ -80,10 +80,11 @@ def checkpoint_committed(layout: RunLayout, step: int) -> bool:
 
 
 def commit_checkpoint(layout: RunLayout, step: int, driver_state: dict, keep: int) -> None:
-    """Record the driver's part, point `latest` at step k, then delete all but the newest `keep`."""
+    """Record the driver's part, point `latest` at step k, then delete all but the newest `keep` up to k (a
+    later one may be in the writing)."""
     write_json_atomic(layout.fs, _driver_path(layout, step), driver_state)
     write_json_atomic(layout.fs, f"{layout.run_dir}/checkpoints/latest.json", {"step": step})
-    for old in layout.step_folders(f"{layout.run_dir}/checkpoints")[:-keep]:
+    for old in [folder for folder in layout.step_folders(f"{layout.run_dir}/checkpoints") if folder <= step][:-keep]:
         layout.fs.rm(layout.checkpoint_dir(old), recursive=True)
 
 

@@ -112,12 +112,14 @@ def release(fs, path: str) -> None:
 
 
 def writer_gone(fs, path: str, waited_s: float) -> str | None:
-    """Why nobody will commit the copy claimed at `path` (its writer's process ended; none claimed it for
-    UNCLAIMED_COPY_WAIT_S), else None. A writer on another host is taken for alive."""
+    """Why nobody will commit the copy claimed at `path` (its writer's process ended or wrote down its error
+    there; none claimed it for UNCLAIMED_COPY_WAIT_S), else None. A writer on another host is taken for alive."""
     try:
         writer = json.loads(fs.cat_file(path))
     except (OSError, ValueError):
         return None if waited_s < UNCLAIMED_COPY_WAIT_S else "no process is writing it"
+    if writer.get("error"):
+        return f"writing it failed in pid {writer.get('pid')} on {writer.get('host')}: {writer['error']}"
     if writer.get("host") == socket.gethostname() and not pid_alive(int(writer.get("pid", 0))):
         return f"the process that was writing it (pid {writer.get('pid')}) has ended"
     return None

@@ -29,10 +29,8 @@ import fsspec
 
 from components.devices import Inventory, inventory_from_system
 from components.placement import DTYPE_BYTES, GIB, describe_memory_basis, describe_visible
-from components.vllm_rollout import vllm_version
 from flows.config import load_config
-from flows.runtime.transport import weight_sync_mode
-from flows.training.engines import engine_tensor_parallel, rollout_engine_name, rollout_sleeps
+from flows.tools.doctor_run import checkpoint_report, rollout_engine_report, weight_sync_report
 from flows.training.plan import parameter_counts, placement_verdict
 
 DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NNODES")
@@ -265,66 +263,9 @@ def collect_report(config=None, env: Mapping[str, str] | None = None) -> dict:
         report["rollout"] = rollout_engine_report(config, report["placement"], bool(inventory.gpus))
         report["weight_sync"] = weight_sync_report(config, report["rollout"]["engine"], report["rollout"]["detail"],
                                                    report["placement"].get("assignments") or {})
+        report["checkpoints"] = checkpoint_report(config)
     report["failed"] = report_failed(report)
     return report
-
-
-def rollout_engine_report(config, placement: dict, has_gpus: bool) -> dict:
-    """Which generation engine the rollout role will use where it runs, and how (no model loads)."""
-    if config.trainer.execution == "workers":
-        devices = (placement.get("assignments") or {}).get("rollout", "cpu")
-    else:
-        devices = "cpu" if config.trainer.device == "cpu" or not has_gpus else [0]
-    device = "cpu" if devices == "cpu" else "cuda"
-    try:
-        engine = rollout_engine_name(config, device)
-    except ValueError as error:
-        return {"engine": "vllm", "status": "fail", "detail": str(error)}
-    if engine == "hf":
-        why = "rollout.engine=hf" if config.rollout.engine == "hf" else f"no vLLM build for {device} installed"
-        return {"engine": "hf", "detail": f"transformers generate on {device} ({why})"}
-    if device == "cpu":
-        return {"engine": "vllm", "detail": f"{vllm_version()} on the CPU"}
-    gpus = len(devices) if config.trainer.execution == "workers" else 1
-    engines = f"{config.rollout.engines} engines, each " if config.rollout.engines > 1 else ""
-    residency = "sleeps between generations" if rollout_sleeps(config, True) else "stays resident"
-    return {"engine": "vllm", "detail": f"{vllm_version()} on GPU {devices}, {engines}tensor parallel "
-                                        f"{engine_tensor_parallel(config, gpus)}, {residency}"}
-
-
-def _between_workers(config, assignments: dict) -> str:
-    """How a streamed version goes from the actor's worker to the rollout's, by their placement."""
-    bucket = f"in buckets of {config.rollout.update_weights_bucket_megabytes} MiB"
-    actor, rollout = assignments.get("actor", "cpu"), assignments.get("rollout", "cpu")
-    if actor == "cpu" or rollout == "cpu":
-        return f"over a gloo group (CPU) from the actor's worker to the rollout's, {bucket}"
-    if actor[0] in rollout:
-        return (f"over CUDA IPC from the actor's worker to the rollout's (both see GPU {actor[0]}: no copy through "
-                f"the host), {bucket}")
-    return f"over NCCL from the actor's worker (GPU {actor[0]}) to the rollout's (GPUs {rollout}), {bucket}"
-
-
-def weight_sync_report(config, engine: str, engine_detail: str, assignments: dict | None = None) -> dict:
-    """How the rollout engine gets each step's weights (trainer.weight_sync resolved) and what is stored."""
-    trainer = config.trainer
-    if weight_sync_mode(config) == "storage":
-        return {"mode": "storage", "detail": "through storage (trainer.weight_sync=storage): the actor writes "
-                                             "weights/actor/<step> every step and the rollout reads it back"}
-    if trainer.execution == "workers":
-        how = (f"{_between_workers(config, assignments or {})}; workers on other hosts: NCCL to the actor host's "
-               "address (RLHF_WEIGHTS_ADDRESS), or trainer.weight_sync=storage where hosts cannot reach each other")
-    elif engine == "hf":
-        how = "tensor by tensor into the transformers engine"
-    elif "GPU" in engine_detail:
-        how = (f"over CUDA IPC to vLLM's workers, in buckets of {config.rollout.update_weights_bucket_megabytes} "
-               "MiB")
-    else:
-        how = f"as bytes to vLLM's workers, in buckets of {config.rollout.update_weights_bucket_megabytes} MiB"
-    stored = ("every step" if trainer.keep_weights is None else
-              f"every {trainer.checkpoint_every} steps (checkpoints) and the last" if trainer.checkpoint_every
-              else "the last step")
-    return {"mode": "memory", "detail": f"in memory from the actor's live model, {how}; a copy is stored in the "
-                                        f"background for {stored}"}
 
 
 def report_failed(report: dict) -> bool:
@@ -387,6 +328,7 @@ def format_report(report: dict) -> str:
         rollout = report["rollout"]
         lines.append(f"  {MARKERS[rollout.get('status', 'ok')]}  rollout engine {rollout['engine']}: {rollout['detail']}")
         lines.append(f"  {MARKERS['ok']}  weight sync {report['weight_sync']['mode']}: {report['weight_sync']['detail']}")
+        lines.append(f"  {MARKERS['ok']}  checkpoints {report['checkpoints']['detail']}")
     lines += [""]
     failures = [key for key in ("prefect", "tracking", "storage", "placement") if report[key]["status"] == "fail"]
     lines.append(f"FAIL: {', '.join(failures)} (see the FAIL lines)" if failures else "ok: nothing would fail")

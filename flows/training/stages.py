@@ -26,7 +26,6 @@ from components.algorithms import (
     sequence_scores_to_token_rewards,
 )
 from components.batch import SequenceBatch, build_sequence_batch
-from components.checkpoint import save_role_checkpoint
 from components.data import PromptSampler
 from components.distributed import is_writer
 from components.models import resolve_dtype
@@ -36,6 +35,7 @@ from components.rewards import RewardFunctionError, score_responses
 from components.rollout import HFRolloutEngine, SamplingParams
 from components.sft import warm_start as fine_tune
 from flows.config import Config, layout_for
+from flows.runtime.checkpoints import part_path, save_role_part
 from flows.runtime.console import long_work, progress
 from flows.runtime.tasks import inject_failure
 from flows.runtime.transport import transport_for
@@ -511,31 +511,16 @@ def sample_rows(config: Config, step: int, limit: int = 16) -> dict[str, list]:
             "ground_truth": rollout_table.column("ground_truth").to_pylist(), "score": scores}
 
 
-CHECKPOINT_QUIET_S = 5.0
-"""A role's checkpoint that ends sooner prints no progress line (a tiny model's, every step)."""
-
-
 def _checkpoint_role(config: Config, step: int, role: str) -> StageResult:
-    layout = layout_for(config)
     instance = trained_role(config, role, step, f"checkpoint_{role}")
-    path = f"{layout.checkpoint_dir(step)}/{role}"
-    metrics: dict[str, float] = {}
-    what = f"checkpoint at step {step}: writing the {role}'s weights and optimizer state"
-    with timed(metrics, f"checkpoint_{role}"), long_work(
-            what, f"{what}: {{seconds:.0f}} s so far", f"checkpoint at step {step}: {role} written in {{seconds:.1f}} s",
-            announce_after_s=CHECKPOINT_QUIET_S):
-        if role == "actor":
-            # The copy of this step's policy the resumed rollout reloads is committed before the checkpoint.
-            transport_for(config).flush()
-        # The actor's with its tokenizer: the folder loads as a model (a replaced actor is built from it).
-        save_role_checkpoint(layout.fs, path, instance.model, instance.updater,
-                             tokenizer=getattr(instance, "tokenizer", None) if role == "actor" else None)
-    return {"path": path, "metrics": metrics}
+    # The actor's with its tokenizer: the folder loads as a model (a replaced actor is built from it).
+    return {"path": part_path(layout_for(config), step, role), "metrics": save_role_part(config, step, role, instance)}
 
 
 @stage(role="actor", output="checkpoint/actor")
 def checkpoint_actor(config: Config, step: int) -> StageResult:
-    """The actor's full training state at the start of `step` (weights, optimizer, schedule, RNG)."""
+    """The actor's full training state at the start of `step` (weights, optimizer, schedule, RNG), written now
+    or in the background (flows/runtime/checkpoints.py)."""
     return _checkpoint_role(config, step, "actor")
 
 

@@ -81,8 +81,9 @@ def training_step(state: RunState, step: int) -> dict[str, float]:
     # step 3. token rewards and advantages (driver math, written to storage)
     metrics |= state.run(advantages, step, state.kl_controller.value)
     # step 4. actor and critic updates do not depend on each other (the actor's weights stay as they are
-    # until every version it was sending has arrived)
+    # until every version it was sending has arrived, and the roles until the last checkpoint is committed)
     metrics |= state.wait_senders()
+    metrics |= state.settle_checkpoint()
     updates = [state.submit(update_actor, step)]
     if config.uses_critic:
         updates.append(state.submit(update_critic, step))
@@ -224,7 +225,8 @@ def train(config: Config | None = None, config_file: str | None = None, deployme
             if done == trainer.total_steps or (trainer.val_every and done % trainer.val_every == 0):
                 metrics |= state.wait(sample_with_policy(state, validate, done, done))
             if trainer.checkpoint_every and (done % trainer.checkpoint_every == 0 or done == trainer.total_steps):
-                state.checkpoint(done, [checkpoint_actor] + ([checkpoint_critic] if config.uses_critic else []))
+                roles = [checkpoint_actor] + ([checkpoint_critic] if config.uses_critic else [])
+                metrics |= state.checkpoint(done, roles)
             state.log_metrics(metrics, step=done)
             if (step % trainer.samples_every == 0 or done == trainer.total_steps) and not state.already_logged(done):
                 state.tracker.log_table(sample_rows(config, step), f"samples/step_{done:05d}.json")
@@ -250,6 +252,10 @@ def train(config: Config | None = None, config_file: str | None = None, deployme
         status = "KILLED"
         raise
     finally:
+        try:  # a checkpoint being written is kept for the resume
+            state.settle_checkpoint(stopping=True)
+        except Exception as error:  # noqa: BLE001 - not instead of the error that ends the run
+            print(f"the checkpoint being written could not be committed: {error}")
         state.abandon_senders()
         stop_system_metrics()
         state.tracker.finish(status)

@@ -95,6 +95,16 @@ def test_a_run_failing_in_any_stage_resumes_to_the_same_result(stage, uninterrup
     assert _fingerprint(config) == uninterrupted
 
 
+def test_checkpoints_written_at_once_end_as_those_written_in_the_background(uninterrupted, prefect_api, tmp_path,
+                                                                           tiny_inputs, _config):
+    """The baseline writes its checkpoints in the background (trainer.checkpoint_async, the default), and the
+    failures above resume from them; written at once, the run is the same bit for bit."""
+    config = _config(tmp_path, tiny_inputs, "baseline")
+    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"checkpoint_async": False})})
+    assert _train(config).is_completed()
+    assert _fingerprint(config) == uninterrupted
+
+
 def test_a_truncated_stage_file_is_recomputed_not_used(uninterrupted, prefect_api, tmp_path, tiny_inputs,
                                                       monkeypatch, _config):
     config = _config(tmp_path, tiny_inputs, "baseline")

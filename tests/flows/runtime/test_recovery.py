@@ -165,6 +165,11 @@ def test_committing_a_checkpoint_moves_latest_and_keeps_only_the_newest(tmp_path
     assert driver_state(layout, 3) == {"kl_coef": 0.3} and driver_state(layout, 2) == {"kl_coef": 0.2}
     commit_checkpoint(layout, 4, {"kl_coef": 0.4}, keep=1)
     assert sorted(path.name for path in checkpoints.iterdir()) == ["4", "latest.json"]
+    # A later checkpoint whose parts are still being written (trainer.checkpoint_async) is not counted or deleted.
+    (checkpoints / "6" / "actor").mkdir(parents=True)
+    commit_checkpoint(layout, 5, {"kl_coef": 0.5}, keep=1)
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["5", "6", "latest.json"]
+    assert latest_checkpoint(layout) == 5
 
 
 def test_the_run_record_reads_back_and_its_absence_says_nothing_to_resume(layout):

@@ -300,7 +300,7 @@ def test_doctor_names_the_rollout_engine(machine, tiny_model, shaped_models, mon
     monkeypatch.setattr("flows.training.engines.installed_vllm", lambda: "vllm")
     monkeypatch.setattr("flows.training.engines.vllm_supports", lambda device: device == "cuda")
     monkeypatch.setattr("flows.training.plan.installed_vllm", lambda: "vllm")
-    monkeypatch.setattr("flows.tools.doctor.vllm_version", lambda: "vllm 0.26.0")
+    monkeypatch.setattr("flows.tools.doctor_run.vllm_version", lambda: "vllm 0.26.0")
     four = doctor.collect_report(gpu_4x(machine, shaped_models))["rollout"]
     assert four == {"engine": "vllm",
                     "detail": "vllm 0.26.0 on GPU [0], tensor parallel 1, sleeps between generations"}
