@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -76,7 +77,11 @@ def save_role_part(config: Config, step: int, role: str, instance) -> dict[str, 
                 transport.flush()
             state = role_state(instance.model, instance.updater, tokenizer)
             if state is not None:
-                write_role_state(layout.fs, path, state)
+                try:
+                    write_role_state(layout.fs, path, state)
+                except (OSError, RuntimeError) as error:  # torch.save says only "unexpected pos" on a full disk
+                    raise RuntimeError(f"checkpoint at step {step}: writing the {role}'s part failed: "
+                                       f"{_why(layout.fs, path, state, error)}") from error
         metrics[f"timing_s/checkpoint_{role}"] = time.perf_counter() - started
         return metrics
     state = role_state(instance.model, instance.updater, tokenizer, host_copy=True,
@@ -94,7 +99,7 @@ def save_role_part(config: Config, step: int, role: str, instance) -> dict[str, 
                 transport.flush()
             write_role_state(layout.fs, path, state)
         except BaseException as error:  # noqa: BLE001 - the driver reads it from the claim
-            _failed(layout.fs, claim_path, error)
+            _failed(layout.fs, claim_path, _why(layout.fs, path, state, error))
             raise
         release(layout.fs, claim_path)
 
@@ -102,10 +107,25 @@ def save_role_part(config: Config, step: int, role: str, instance) -> dict[str, 
     return metrics
 
 
-def _failed(fs, claim_path: str, error: BaseException) -> None:
+def _why(fs, path: str, state, error: BaseException) -> str:
+    """The error, with the free space where the part goes against its size (on a local disk)."""
+    why = f"{type(error).__name__}: {error}"
+    if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        return why
+    folder = os.path.dirname(path)
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    try:
+        free = shutil.disk_usage(folder or ".").free
+    except OSError:
+        return why
+    return f"{why} ({free / 2**30:.1f} GiB free on the disk of {folder}; the part holds {state.nbytes() / 2**30:.1f} GiB)"
+
+
+def _failed(fs, claim_path: str, why: str) -> None:
     try:
         write_bytes_atomic(fs, claim_path, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                                       "error": f"{type(error).__name__}: {error}"}).encode())
+                                                       "error": why}).encode())
     except OSError:
         pass
 

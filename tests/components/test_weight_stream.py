@@ -39,7 +39,9 @@ def _start_sender(tmp_path, model_path, sync: str, version: int = 3, holds: bool
     launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                  f"--master-port={_free_port()}"] if ranks else [sys.executable])
     process = subprocess.Popen([*launcher, str(SENDER), model_path, str(channel_file), sync, str(version),
-                                "1" if holds else "0", str(BUCKET_BYTES), device], stdout=subprocess.PIPE, text=True)
+                                "1" if holds else "0", str(BUCKET_BYTES), device], stdout=subprocess.PIPE, text=True,
+                               # CPU ranks on a GPU host too (FSDP's device mesh would take a GPU per rank)
+                               env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})})
     deadline = time.monotonic() + 120
     while not channel_file.exists() or not channel_file.read_text():
         assert process.poll() is None, "the sender exited before opening its channel"

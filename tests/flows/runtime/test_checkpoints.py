@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
+import shutil
 import threading
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 
 from components.actor import Actor, ActorConfig
 from components.batch import build_sequence_batch
+from components.checkpoint import role_state
 from components.tiny import TinyModelSpec, build_tiny_model
 from flows.config import build_config, layout_for
 from flows.runtime import checkpoints
@@ -106,10 +109,15 @@ def test_a_part_that_fails_fails_the_step_with_its_error_and_the_latest_checkpoi
     gate.open.set()
     with pytest.raises(RuntimeError) as failed:
         driver.settle_checkpoint()
-    assert str(failed.value) == (
-        f"checkpoint at step 2: the actor's part was not written (writing it failed in pid {os.getpid()} on "
-        f"{os.uname().nodename}: OSError: [Errno 28] No space left on device); the latest checkpoint stays none; "
-        "`rlhf resume r` restarts from it")
+    free = shutil.disk_usage(layout.checkpoint_dir(2)).free / 2**30  # (the part's folder exists: the
+    assert re.fullmatch(  # half-written part went to a temporary name, which is gone)
+        rf"checkpoint at step 2: the actor's part was not written \(writing it failed in pid {os.getpid()} on "
+        rf"{re.escape(os.uname().nodename)}: OSError: \[Errno 28\] No space left on device \(([0-9.]+) GiB free "
+        rf"on the disk of {re.escape(layout.checkpoint_dir(2))}; the part holds ([0-9.]+) GiB\)\); the latest "
+        r"checkpoint stays none; `rlhf resume r` restarts from it", str(failed.value))
+    said = re.search(r"\(([0-9.]+) GiB free.* holds ([0-9.]+) GiB", str(failed.value))
+    assert abs(float(said[1]) - free) < 0.5
+    assert float(said[2]) == round(role_state(actor.model, actor.updater).nbytes() / 2**30, 1)
     assert not checkpoint_committed(layout, 2) and latest_checkpoint(layout) is None
     with pytest.raises(OSError, match="No space left"):  # the next checkpoint stage of this process raises it too
         finish_writing(f"{layout.run_dir}/actor")
@@ -141,3 +149,15 @@ def test_a_process_that_ends_finishes_the_parts_it_was_writing(model_path, tmp_p
     threading.Timer(0.5, gate.open.set).start()
     checkpoints._finish_all()  # what runs at exit
     assert wait_written(layout_for(config), 3, "actor") is None
+
+
+def test_a_part_written_at_once_that_fails_names_the_free_space_against_the_part(model_path, tmp_path, monkeypatch):
+    """torch.save says only "unexpected pos" when the disk fills up: the error says how much room there was."""
+    config = _config(tmp_path)
+    gate = _Gate(monkeypatch, fail=True)
+    gate.open.set()
+    with pytest.raises(RuntimeError, match=r"^checkpoint at step 4: writing the actor's part failed: OSError: "
+                       r"\[Errno 28\] No space left on device \([0-9.]+ GiB free on the disk of /.*; "
+                       r"the part holds [0-9.]+ GiB\)$"):
+        save_role_part(config, 4, "actor", _actor(model_path))
+    assert not os.path.exists(part_path(layout_for(config), 4, "actor"))
