@@ -239,6 +239,10 @@ class TrainerConfig(Section):
     """Where models run in this process: auto picks cuda when available."""
     stage_timeout_s: float = Field(3600, gt=0)
     """Seconds a stage may run before the flow fails it."""
+    no_signal_steps: int = Field(5, ge=0)
+    """Warn (terminal, MLflow tag rlhf.warning.no_signal, a Prefect artifact) when this many steps in a row had no
+    learning signal: every group of samples got the same reward (critic/score/equal_group_frac 1), or the actor's
+    update moved nothing (actor/update_rms_ratio or actor/grad_norm 0); once per such streak. 0: never warn."""
     stage_retries: int = Field(0, ge=0)
     """Times a failed stage is retried."""
     checkpoint_every: int = Field(1, ge=0)

@@ -93,6 +93,22 @@ def _group_rows(group_ids: Sequence[Hashable] | None, batch_size: int) -> list[l
     return list(rows_by_group.values())
 
 
+def equal_group_fraction(scores: Sequence[float], group_ids: Sequence[Hashable]) -> float | None:
+    """The share of prompt groups whose samples all got the same score: ``critic/score/equal_group_frac``.
+
+    frac = |{g : |g| >= 2, max_{i in g} s_i = min_{i in g} s_i}| / |{g : |g| >= 2}|, over the groups ``g`` of
+    rows sharing a group id, ``s`` the sequence scores ``[B]`` (exact equality). Such a group gives GRPO, Dr.
+    GRPO and RLOO no advantage (s_i - mean_g = 0), and for any estimator its samples show nothing to prefer:
+    at 1.0 the step's rewards carry no learning signal. A group of one (rollout.n=1, as PPO often runs) has
+    nothing to compare with and is left out; None when no group has two samples (the metric is not logged).
+    """
+    groups = [rows for rows in _group_rows(group_ids, len(scores)) if len(rows) > 1]
+    if not groups:
+        return None
+    equal = sum(max(scores[row] for row in rows) == min(scores[row] for row in rows) for rows in groups)
+    return equal / len(groups)
+
+
 def _outcome_scores(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     return (token_rewards * response_mask.float()).sum(dim=-1)
 

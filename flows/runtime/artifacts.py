@@ -9,9 +9,10 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from flows.config import Config
 
-TABLE_METRICS = ("critic/score/mean", "val/reward/mean", "actor/ppo_kl", "actor/pg_loss", "actor/entropy",
-                 "critic/vf_loss", "actor/update_rms_ratio", "critic/update_rms_ratio", "response_length/mean",
-                 "timing_s/gen", "timing_s/step", "perf/throughput", "perf/gen_throughput")
+TABLE_METRICS = ("critic/score/mean", "critic/score/equal_group_frac", "val/reward/mean", "actor/ppo_kl",
+                 "actor/pg_loss", "actor/entropy", "critic/vf_loss", "actor/update_rms_ratio",
+                 "critic/update_rms_ratio", "response_length/mean", "response_length/clip_ratio", "timing_s/gen",
+                 "timing_s/step", "perf/throughput", "perf/gen_throughput")
 
 
 def artifact_key(config: Config, suffix: str) -> str:
@@ -65,5 +66,15 @@ class PrefectArtifacts:
             if step == total or step % self.config.trainer.samples_every == 0:
                 create_table_artifact(key=artifact_key(self.config, "metrics"), table=self.rows,
                                       description="per-step metrics (verl names)")
+        except Exception as error:  # noqa: BLE001
+            print(f"warning: Prefect artifact update failed: {error}")
+
+    def warning(self, name: str, step: int, line: str) -> None:
+        """A warning about the run (`name`: what it is about, e.g. no-signal) as a markdown artifact, keyed
+        `<run>-warning-<name>`: the Prefect UI shows it beside the run's table."""
+        try:
+            create_markdown_artifact(key=artifact_key(self.config, f"warning-{name}"), markdown=(
+                f"### Warning at step {step} of `{self.config.run.name}`\n\n{line}\n"),
+                description=f"warning: {name}")
         except Exception as error:  # noqa: BLE001
             print(f"warning: Prefect artifact update failed: {error}")

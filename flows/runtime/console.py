@@ -8,7 +8,8 @@ filter sits on the console handlers, not on the loggers. What stays: the flow's 
 run's start and end), every warning and error except the engine's report of a run failed by a user error (a
 ValueError, OSError or FloatingPointError: the CLI prints it as one line, Prefect keeps its traceback), and the
 progress lines of long work (`progress(...)`, `long_work(...)`: model loads and the engine start, the
-warm-start, validation, checkpoints, the export), the workers' ones relayed by the driver (`show`).
+warm-start, validation, checkpoints, the export), the workers' ones relayed by the driver (`show`), and the
+run's warnings about itself (`warn(...)`: a run with no learning signal).
 """
 
 from __future__ import annotations
@@ -117,6 +118,23 @@ def progress(message: str) -> None:
         get_run_logger().info(message, extra={"rlhf_progress": True})
     except MissingContextError:  # outside a flow or task run: the terminal line is all
         pass
+
+
+def warn(line: str) -> None:
+    """A warning for the person watching the run ("warning: no learning signal ..."): once on the terminal, and
+    at WARNING in Prefect's log of the flow or stage running it. In a process that called quiet_console the
+    progress handler prints it (the Prefect record is marked printed); elsewhere (a deployment's flow run,
+    the Python API) Prefect's console handler does."""
+    terminal = logging.getLogger(PROGRESS_LOGGER)
+    try:
+        run_logger = get_run_logger()
+    except MissingContextError:  # outside a flow or task run: the terminal line is all
+        terminal.warning(line)
+        return
+    printed = bool(terminal.handlers)
+    if printed:
+        terminal.warning(line)
+    run_logger.warning(line, extra={"rlhf_progress": printed})
 
 
 def show(line: str) -> None:

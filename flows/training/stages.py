@@ -20,6 +20,7 @@ import torch
 
 from components.algorithms import (
     apply_kl_penalty,
+    equal_group_fraction,
     get_advantage_estimator,
     logprob_gap,
     masked_mean,
@@ -241,6 +242,9 @@ def advantages(config: Config, step: int, kl_coef: float) -> StageResult:
         batch = _rollout_batch(config, rollout_table)
         mask, length = batch.response_mask, batch.response_length
         scores = torch.tensor(_read(config, step, "reward", rollout_table).column("score").to_pylist())
+        group_ids = rollout_table.column("group_id").to_pylist()
+        if (equal := equal_group_fraction(scores.tolist(), group_ids)) is not None:  # None: groups of one sample
+            metrics["critic/score/equal_group_frac"] = equal
         token_rewards = sequence_scores_to_token_rewards(scores, mask)
         if config.algorithm.use_kl_in_reward:
             token_rewards, kl_metrics = apply_kl_penalty(
@@ -257,7 +261,7 @@ def advantages(config: Config, step: int, kl_coef: float) -> StageResult:
             check_finite("advantages", step, "the critic value", critic_values, uids)
         estimator = get_advantage_estimator(config.algorithm.adv_estimator)
         advantage, returns = estimator(token_rewards=token_rewards, response_mask=mask, values=critic_values,
-                                       group_ids=rollout_table.column("group_id").to_pylist(),
+                                       group_ids=group_ids,
                                        gamma=config.algorithm.gamma, lam=config.algorithm.lam)
         check_finite("advantages", step, "the advantage", advantage, uids)
         path = _write(config, step, "advantages", {

@@ -8,7 +8,8 @@ Each training step k:
   3. advantages (driver): score at the last token, minus the KL penalty if configured, then the
      registered estimator (GAE, GRPO, RLOO, REINFORCE++).
   4. actor update and critic update: concurrently; the actor publishes weights for step k+1.
-  5. the adaptive KL controller steps; metrics go to MLflow; validation every trainer.val_every steps.
+  5. the adaptive KL controller steps; metrics go to MLflow; validation every trainer.val_every steps; after
+     trainer.no_signal_steps steps in a row without a learning signal, a warning (flows/training/learning_signal.py).
 
 Departures from textbook PPO: GRPO-family estimators skip the critic; the KL to the reference is
 either a reward penalty (algorithm.use_kl_in_reward) or a loss term (actor.use_kl_loss), as in verl;
@@ -37,6 +38,7 @@ from flows.runtime.supervision import RunLock
 from flows.runtime.system_metrics import stop_system_metrics
 from flows.runtime.transport import transport_for
 from flows.training.export import export_run
+from flows.training.learning_signal import NoSignalWatch, watch_learning_signal
 from flows.training.preflight import check_inputs
 from flows.training.stages import (STAGES, advantages, checkpoint_actor, checkpoint_critic, old_logprobs, reference,
                                    reward, rollout, sample_rows, send_weights, update_actor, update_critic, validate,
@@ -109,6 +111,20 @@ def _progress_line(step: int, total: int, metrics: dict[str, float]) -> str:
                           ("timing_s/gen", "timing_s/weight_sync", "timing_s/update_actor", "timing_s/step")
                           if name in metrics))
     return " | ".join(parts)
+
+
+def record_step(state: RunState, step: int, metrics: dict[str, float], learning_signal: NoSignalWatch) -> None:
+    """What a finished step leaves: its metrics in MLflow (with a table of samples every trainer.samples_every
+    steps) and in Prefect's table, its line on the terminal, and a warning once the run has had no learning
+    signal for trainer.no_signal_steps steps in a row."""
+    trainer, done = state.config.trainer, step + 1
+    state.log_metrics(metrics, step=done)
+    if (step % trainer.samples_every == 0 or done == trainer.total_steps) and not state.already_logged(done):
+        state.tracker.log_table(sample_rows(state.config, step), f"samples/step_{done:05d}.json")
+    state.history.append(metrics)
+    state.artifacts.step_done(done, metrics)
+    get_run_logger().info(_progress_line(step, trainer.total_steps, metrics))
+    learning_signal.observe(done, metrics)
 
 
 def prepared_roles(config: Config) -> list[str]:
@@ -219,6 +235,7 @@ def train(config: Config | None = None, config_file: str | None = None, deployme
         state.log_metrics(first, step=0)
         summary["val_reward_start"] = first["val/reward/mean"]
         logger.info("validation before RL: reward %.3f", first["val/reward/mean"])
+        learning_signal = watch_learning_signal(state)  # trainer.no_signal_steps without one: a warning
         for step in range(state.start_step, trainer.total_steps):
             metrics = training_step(state, step)
             done = step + 1
@@ -227,12 +244,7 @@ def train(config: Config | None = None, config_file: str | None = None, deployme
             if trainer.checkpoint_every and (done % trainer.checkpoint_every == 0 or done == trainer.total_steps):
                 roles = [checkpoint_actor] + ([checkpoint_critic] if config.uses_critic else [])
                 metrics |= state.checkpoint(done, roles)
-            state.log_metrics(metrics, step=done)
-            if (step % trainer.samples_every == 0 or done == trainer.total_steps) and not state.already_logged(done):
-                state.tracker.log_table(sample_rows(config, step), f"samples/step_{done:05d}.json")
-            state.history.append(metrics)
-            state.artifacts.step_done(done, metrics)
-            logger.info(_progress_line(step, trainer.total_steps, metrics))
+            record_step(state, step, metrics, learning_signal)
         # the last step validated already; a run resumed after its last step reads the stored result
         end = state.history[-1] if state.history else state.wait(
             sample_with_policy(state, validate, trainer.total_steps, trainer.total_steps))

@@ -5,6 +5,7 @@ from components.algorithms import (
     ADVANTAGE_ESTIMATORS,
     ESTIMATORS_NEEDING_CRITIC,
     compute_gae_raw,
+    equal_group_fraction,
     get_advantage_estimator,
     sequence_scores_to_token_rewards,
 )
@@ -118,3 +119,30 @@ def test_every_estimator_shares_signature_and_zeroes_padding():
 def test_unknown_estimator_names_field_and_options():
     with pytest.raises(ValueError, match=r"algorithm\.adv_estimator='foo' is not one of: gae, grpo, grpo_no_std"):
         get_advantage_estimator("foo")
+
+
+def test_equal_group_fraction_counts_groups_of_equal_scores_among_groups_of_two_or_more():
+    # a: 0, 0, 0 (equal); b: 1, 0 (differ); c: 1, 1 (equal); d: 0.5 alone (left out). 2 of 3 groups equal.
+    scores = [0.0, 1.0, 0.0, 1.0, 0.0, 0.5, 0.0, 1.0]
+    group_ids = ["a", "b", "a", "c", "a", "d", "b", "c"]
+    assert equal_group_fraction(scores, group_ids) == pytest.approx(2 / 3)
+    # The estimators agree: every sample of an equal group gets advantage 0 from GRPO and RLOO.
+    mask = torch.ones(len(scores), 1)
+    rewards = torch.tensor(scores).unsqueeze(-1)
+    for name in ("grpo", "rloo"):
+        advantages, _ = get_advantage_estimator(name)(token_rewards=rewards, response_mask=mask, group_ids=group_ids)
+        assert [row for row, group in enumerate(group_ids) if group in "ac" and advantages[row, 0] != 0] == []
+
+
+def test_equal_group_fraction_is_one_when_every_group_is_equal_and_zero_when_none_is():
+    assert equal_group_fraction([0.0] * 8, [0, 0, 0, 0, 1, 1, 1, 1]) == 1.0  # score 0 everywhere: the issue's run
+    assert equal_group_fraction([1.0, 1.0, 0.25, 0.25], ["x", "x", "y", "y"]) == 1.0  # equal within, not across
+    assert equal_group_fraction([1.0, 0.0, 0.0, 0.25], ["x", "x", "y", "y"]) == 0.0
+    assert equal_group_fraction([0.5, 0.5 + 1e-9], ["x", "x"]) == 0.0  # exact: GRPO still sees a difference
+
+
+def test_equal_group_fraction_of_groups_of_one_sample_is_none():
+    """rollout.n=1 (PPO with a critic, often): a lone sample has nothing to compare with, so no group counts
+    and the metric is not logged."""
+    assert equal_group_fraction([0.0, 0.0, 1.0], ["p0", "p1", "p2"]) is None
+    assert equal_group_fraction([0.0, 0.0, 1.0], ["p0", "p0", "p2"]) == 1.0  # only the pair counts

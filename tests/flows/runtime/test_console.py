@@ -118,3 +118,29 @@ def test_long_work_says_what_it_does_while_it_lasts_and_quick_work_stays_silent(
     except OSError:
         pass
     assert lines == ["export ..."]  # no `done` line for work that raised: the error says it
+
+
+def test_a_warning_reaches_the_terminal_once_and_prefect_at_warning(monkeypatch):
+    lines, logged = [], []
+
+    class Terminal(logging.Handler):
+        def emit(self, record):
+            lines.append((record.levelno, record.getMessage()))
+
+    class RunLogger:  # the flow run's logger: Prefect's API handler, and its console handler unless marked printed
+        def warning(self, message, extra):
+            logged.append((message, extra))
+
+    progress_logger = logging.getLogger(console.PROGRESS_LOGGER)
+    monkeypatch.setattr(console, "get_run_logger", RunLogger)
+    monkeypatch.setattr(progress_logger, "handlers", [Terminal()])  # as quiet_console leaves it (`rlhf train`)
+    console.warn("warning: no learning signal for 5 steps")
+    assert lines == [(logging.WARNING, "warning: no learning signal for 5 steps")]
+    assert logged == [("warning: no learning signal for 5 steps", {"rlhf_progress": True})]
+    assert not console.ConsoleFilter().filter(_record("prefect.flow_runs", "w", logging.WARNING, rlhf_progress=True))
+    # No quiet_console (a deployment's run, the Python API): Prefect's console handler prints it, nothing else.
+    monkeypatch.setattr(progress_logger, "handlers", [])
+    lines.clear()
+    console.warn("warning: again")
+    assert lines == [] and logged[-1] == ("warning: again", {"rlhf_progress": False})
+    assert console.ConsoleFilter().filter(_record("prefect.flow_runs", "w", logging.WARNING, rlhf_progress=False))
