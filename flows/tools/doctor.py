@@ -3,7 +3,8 @@
 It lists the GPUs this process may use (CUDA_VISIBLE_DEVICES applied), their memory and the other
 processes on them, the interconnect, the distributed environment, package versions, and checks that
 the Prefect API, the MLflow tracking store and the storage root answer. Given a config it validates
-the placement (`components.placement`) with memory estimates counted from the model's config.
+the placement (`components.placement`) with memory estimates counted from the model's config; with --data it
+scores the starting policy's greedy answers to a few validation prompts (flows/tools/doctor_data.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import fsspec
 from components.devices import Inventory, inventory_from_system
 from components.placement import DTYPE_BYTES, GIB, describe_memory_basis, describe_visible
 from flows.config import load_config
+from flows.tools.doctor_data import DEFAULT_PROMPTS, data_report, format_data, skipped_data_report
 from flows.tools.doctor_run import checkpoint_report, rollout_engine_report, weight_sync_report
 from flows.training.plan import parameter_counts, placement_verdict
 
@@ -241,8 +243,9 @@ def check_placement(config, inventory: Inventory, env: Mapping[str, str]) -> dic
                   errors=verdict.errors, warnings=verdict.warnings, notes=notes)
 
 
-def collect_report(config=None, env: Mapping[str, str] | None = None) -> dict:
-    """Everything `rlhf doctor` shows, as JSON-ready data; `config` adds the placement verdict."""
+def collect_report(config=None, env: Mapping[str, str] | None = None, data_prompts: int | None = None) -> dict:
+    """Everything `rlhf doctor` shows, as JSON-ready data; `config` adds the placement verdict, `data_prompts`
+    the starting reward on that many validation prompts (--data)."""
     env = os.environ if env is None else env
     inventory = inventory_from_system(dict(env))
     storage_root = config.run.storage_root if config is not None else DEFAULT_STORAGE_ROOT
@@ -264,14 +267,17 @@ def collect_report(config=None, env: Mapping[str, str] | None = None) -> dict:
         report["weight_sync"] = weight_sync_report(config, report["rollout"]["engine"], report["rollout"]["detail"],
                                                    report["placement"].get("assignments") or {})
         report["checkpoints"] = checkpoint_report(config)
+    if data_prompts is not None:
+        report["data"] = data_report(config, data_prompts) if config is not None else skipped_data_report()
     report["failed"] = report_failed(report)
     return report
 
 
 def report_failed(report: dict) -> bool:
-    """True when something would fail: placement errors, storage or tracking unusable, Prefect down."""
+    """True when something would fail: placement errors, storage or tracking unusable, Prefect down, the model
+    or data of --data unusable."""
     return any(report[name]["status"] == "fail" for name in ("prefect", "tracking", "storage", "placement")) or \
-        report.get("rollout", {}).get("status") == "fail"
+        any(report.get(name, {}).get("status") == "fail" for name in ("rollout", "data"))
 
 
 def _format_gpus(report: dict) -> list[str]:
@@ -329,8 +335,9 @@ def format_report(report: dict) -> str:
         lines.append(f"  {MARKERS[rollout.get('status', 'ok')]}  rollout engine {rollout['engine']}: {rollout['detail']}")
         lines.append(f"  {MARKERS['ok']}  weight sync {report['weight_sync']['mode']}: {report['weight_sync']['detail']}")
         lines.append(f"  {MARKERS['ok']}  checkpoints {report['checkpoints']['detail']}")
-    lines += [""]
-    failures = [key for key in ("prefect", "tracking", "storage", "placement") if report[key]["status"] == "fail"]
+    lines += [""] + (format_data(report["data"], MARKERS) + [""] if "data" in report else [])
+    failures = [key for key in ("prefect", "tracking", "storage", "placement", "data")
+                if report.get(key, {}).get("status") == "fail"]
     lines.append(f"FAIL: {', '.join(failures)} (see the FAIL lines)" if failures else "ok: nothing would fail")
     return "\n".join(lines)
 
@@ -347,22 +354,38 @@ def _load_config(args: argparse.Namespace):
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Print the report (text or --json); 1 when something would fail, else 0."""
-    report = collect_report(_load_config(args))
+    data_prompts = getattr(args, "data_prompts", DEFAULT_PROMPTS) if getattr(args, "data", False) else None
+    report = collect_report(_load_config(args), data_prompts=data_prompts)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 1 if report_failed(report) else 0
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return int(text)
+
+
 def add_doctor_parser(subcommands) -> argparse.ArgumentParser:
-    """Add `rlhf doctor [CONFIG] [overrides...] [--json]` to the CLI's subparsers."""
+    """Add `rlhf doctor [CONFIG] [overrides...] [--json] [--data [--data-prompts N]]` to the CLI's subparsers."""
     parser = subcommands.add_parser(
         "doctor", help="check GPUs, placement, services and storage before a run",
         description="List the GPUs this process may use (CUDA_VISIBLE_DEVICES applied), versions, and whether "
                     "the Prefect API, MLflow and the storage root answer; with a config, validate its placement.\n"
                     "Exits 1 when something would fail.\n\n"
-                    "example: rlhf doctor configs/quickstart.yaml placement.roles.actor=[0,1] --json",
+                    "--data also loads the model and scores its greedy answers to a few validation prompts with "
+                    "the run's reward: the reward RL starts at, and a warning when it is 0 (or 1) on every prompt.\n\n"
+                    "example: rlhf doctor configs/quickstart.yaml placement.roles.actor=[0,1] --json\n"
+                    "example: rlhf doctor configs/quickstart.yaml --data     # the starting reward on 16 prompts\n"
+                    "example: rlhf doctor configs/gpu-1x.yaml model.path=Qwen/Qwen2.5-0.5B-Instruct "
+                    "data.val_files=[gsm8k/test.parquet] --data --data-prompts 64",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", help="YAML config file (optional: without it only the machine is checked)")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. placement.roles.actor=[0,1]")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--data", action="store_true",
+                        help="load the model and print the starting reward on a few validation prompts (greedy)")
+    parser.add_argument("--data-prompts", type=_positive, default=DEFAULT_PROMPTS, metavar="N",
+                        help=f"validation prompts --data answers (default {DEFAULT_PROMPTS})")
     parser.set_defaults(handler=cmd_doctor)
     return parser
