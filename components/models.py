@@ -172,3 +172,50 @@ def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
                 layer.compile(backend=backend)
                 count += 1
     return count
+
+
+def declared_eos_ids(path: str, trust_remote_code: bool = False) -> list[int]:
+    """Every end-of-sequence id a model folder (or hub name) declares: generation_config.json's eos_token_id (an
+    id or a list), else config.json's; [] when it declares none. The rollout stops at each of them."""
+    from transformers import AutoConfig, GenerationConfig
+
+    source = model_source(path)
+    try:
+        declared = GenerationConfig.from_pretrained(source).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json
+        declared = None
+    if declared is None:
+        try:
+            declared = getattr(AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code),
+                               "eos_token_id", None)
+        except (OSError, ValueError):
+            declared = None
+    if declared is None:
+        return []
+    return [int(token) for token in (declared if isinstance(declared, (list, tuple)) else [declared])]
+
+
+def eos_ids(tokenizer, declared: list[int] | None = None) -> list[int]:
+    """The tokenizer's eos id first, then the model's other declared ones: where generation ends."""
+    first = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    return list(dict.fromkeys(first + list(declared or [])))
+
+
+def check_eos(tokenizer, path: str, field: str = "model.path", trust_remote_code: bool = False) -> list[int]:
+    """The model's eos ids (eos_ids); ValueError when the tokenizer's eos is not one the model declares (the
+    rollout would stop where the model never ends its turn, or run past where it does)."""
+    declared = declared_eos_ids(path, trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        if not declared:
+            raise ValueError(f"{field}={path!r}: neither its tokenizer nor its generation_config.json names an "
+                             "end-of-sequence token, so no response could stop before the length limit; set "
+                             "eos_token in tokenizer_config.json")
+        return declared
+    if declared and int(tokenizer.eos_token_id) not in declared:
+        names = ", ".join(f"{token} ({tokenizer.convert_ids_to_tokens(token)!r})" for token in declared)
+        raise ValueError(
+            f"{field}={path!r}: its tokenizer's eos is {tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) but its "
+            f"generation_config.json/config.json declare eos_token_id {names}; make them agree (eos_token in "
+            "tokenizer_config.json, or eos_token_id in generation_config.json), e.g. rebuild the folder with "
+            "`rlhf make-model`")
+    return eos_ids(tokenizer, declared)

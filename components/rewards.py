@@ -8,7 +8,8 @@ So verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=No
 number (or verl's ``{"score": number, ...}``).
 
 `reward.function=auto` (the default) routes each sample by its data_source, as verl's default scorer
-does: `openai/gsm8k` (and `gsm8k`) to `gsm8k`, everything else to `exact_match`.
+does: `openai/gsm8k` (and `gsm8k`, and this project's `word_problems`) to `gsm8k`, `answer_only` to
+`gsm8k_flexible`, everything else to `exact_match`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ GSM8K_CLIP_CHARS = 300
 REWARD_FIELDS = ("data_source", "solution_str", "response_text", "ground_truth", "extra_info")
 """What a reward function may declare (solution_str and response_text are the same text)."""
 AUTO = "auto"
-DATA_SOURCE_SCORERS = {"openai/gsm8k": "gsm8k", "gsm8k": "gsm8k"}
+DATA_SOURCE_SCORERS = {"openai/gsm8k": "gsm8k", "gsm8k": "gsm8k", "word_problems": "gsm8k",
+                       "answer_only": "gsm8k_flexible"}
 """reward.function=auto: data_source -> the registered scorer; any other data_source: exact_match."""
 
 

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from components.models import load_causal_lm, load_tokenizer
+from components.models import eos_ids, load_causal_lm, load_tokenizer
 from components.weight_channel import GroupReceiver, gpu_uuids, open_payload
 from components.weight_pull import RemoteWeights, new_session
 from components.weights import unpack_bucket
@@ -64,12 +64,23 @@ class Generation:
     extra: dict = field(default_factory=dict)
 
 
+def _generation_eos(model) -> list[int]:
+    """The eos ids of a loaded model's generation config (an id or a list; [] when it has none)."""
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if declared is None:
+        return []
+    return [int(token) for token in (declared if isinstance(declared, (list, tuple)) else [declared])]
+
+
 class HFRolloutEngine:
     """Generation with transformers `generate` (the CPU default and the fallback everywhere)."""
 
     def __init__(self, model, tokenizer, *, micro_batch_size: int = 256):
         self.model = model.eval()
         self.tokenizer = tokenizer
+        # Every eos the model declares (generation_config.json may list several: an instruct model's end of
+        # turn and its end of text), the tokenizer's first.
+        self.eos_token_ids = eos_ids(tokenizer, _generation_eos(model))
         self.micro_batch_size = micro_batch_size
         self.weights_version: int | None = None
         self.weight_session = new_session()
@@ -166,7 +177,7 @@ class HFRolloutEngine:
             top_p=None if greedy else params.top_p, top_k=None if greedy else params.top_k,
             max_new_tokens=params.max_new_tokens,
             min_new_tokens=params.max_new_tokens if params.ignore_eos else params.min_new_tokens,
-            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.eos_token_ids or None, pad_token_id=self.tokenizer.pad_token_id,
             stop_strings=list(params.stop) or None, tokenizer=self.tokenizer if params.stop else None,
             output_scores=True, return_dict_in_generate=True,
         )
@@ -177,13 +188,14 @@ class HFRolloutEngine:
             step_scores.float().log_softmax(-1).gather(-1, new_tokens[:, t : t + 1]).squeeze(-1)
             for t, step_scores in enumerate(output.scores)], dim=1).cpu()
         new_tokens = new_tokens.cpu()
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        eos, pad = set(self.eos_token_ids), self.tokenizer.pad_token_id
         results = []
         for row, (prompt_index, sample_index) in enumerate(chunk):
             tokens = new_tokens[row].tolist()
             finish = "length"
-            if eos in tokens:
-                tokens = tokens[: tokens.index(eos) + 1]
+            end = next((position for position, token in enumerate(tokens) if token in eos), None)
+            if end is not None:
+                tokens = tokens[: end + 1]
                 finish = "stop"
             elif params.stop and pad is not None and tokens and tokens[-1] == pad:
                 # A row ended by a stop string is padded to the longest row of the batch.

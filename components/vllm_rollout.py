@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from components.kv_cache import sized_kv_cache_gib
+from components.models import declared_eos_ids, eos_ids
 from components.rollout import Generation, SamplingParams, logprob_prompts
 from components.weight_channel import ipc_payload, trace
 from components.weight_pull import LOAD_PARTS, RemoteWeights, new_session
@@ -108,8 +109,16 @@ def sleep_clears_prefix_cache() -> bool:
     return (major, minor) >= (0, 26)
 
 
+class EngineClosedError(RuntimeError):
+    """The engine was closed (its run ended or stopped) while a caller still used it."""
+
+
 class VLLMRolloutEngine:
-    """Generation with vLLM's offline `LLM` engine (implements `components.protocols.RolloutRole`)."""
+    """Generation with vLLM's offline `LLM` engine (implements `components.protocols.RolloutRole`).
+
+    `close` may come from another thread while a call runs (a stop releases the run's roles while its stage still
+    generates): every later use of the engine raises EngineClosedError, and so does a generation that vLLM's
+    shutdown ended early, whose requests it returns cut short."""
 
     def __init__(self, path: str, *, dtype: str = "auto", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, kv_cache_gib: float | None = None, max_model_len: int,
@@ -152,6 +161,9 @@ class VLLMRolloutEngine:
             self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - started
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
+        # Every eos the model declares, as stop tokens besides the tokenizer's (vLLM adds generation_config's
+        # itself; named here so that both engines stop at the same tokens whatever vLLM's version does).
+        self.eos_token_ids = eos_ids(self.tokenizer, declared_eos_ids(path, trust_remote_code))
         self.weights_version: int | None = None
         self.weights_source: str | InMemoryWeights = path
         """Where the engine's weights came from (and are reloaded from on wake): the initial model's folder,
@@ -167,6 +179,18 @@ class VLLMRolloutEngine:
         self.asleep = False
         self.last_metrics: dict[str, float] = {}
         """Timings of the last call (timing_s/wake, timing_s/sleep, timing_s/weight_load)."""
+
+    @property
+    def llm(self):
+        """vLLM's `LLM`; EngineClosedError once the engine is closed."""
+        llm = self.__dict__.get("_llm")
+        if llm is None:
+            raise EngineClosedError("the vLLM rollout engine is closed (its run ended or was stopped)")
+        return llm
+
+    @llm.setter
+    def llm(self, llm) -> None:
+        self._llm = llm
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -257,7 +281,7 @@ class VLLMRolloutEngine:
 
     def sleep(self) -> None:
         """Release the engine's GPU memory (weights and KV cache) until the next call."""
-        if self.asleep:
+        if self.asleep or self.__dict__.get("_llm") is None:  # a closed engine holds no memory
             return
         started = time.perf_counter()
         self.llm.sleep(level=2)
@@ -301,6 +325,7 @@ class VLLMRolloutEngine:
             top_p=1.0 if greedy else params.top_p, top_k=0 if greedy else params.top_k,
             max_tokens=params.max_new_tokens, min_tokens=params.min_new_tokens, ignore_eos=params.ignore_eos,
             stop=list(params.stop) or None, logprobs=0 if logprobs else None, detokenize=bool(params.stop),
+            stop_token_ids=None if params.ignore_eos else (self.eos_token_ids[1:] or None),
             # Children of one request get seed, seed+1, ...: give every prompt its own range.
             seed=None if params.seed is None else params.seed + prompt_index * params.n,
         )
@@ -328,11 +353,24 @@ class VLLMRolloutEngine:
             with_logprobs = logprob_prompts(len(prompts), params.logprobs_fraction)
         indices = range(first_index, first_index + len(prompts))
         sampling = [self.sampling_params(params, index, index in with_logprobs) for index in indices]
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        llm = self.llm
+        try:
+            outputs = llm.generate(prompts, sampling, use_tqdm=False)
+        except Exception as error:
+            self._closed_while_generating(llm, error)
+            raise
+        # Closed meanwhile: vLLM's shutdown ends the requests under way and returns them cut short.
+        self._closed_while_generating(llm)
         generations = self._collect(outputs, params, first_index)
         if self.sleep_enabled:
             self.sleep()
         return generations
+
+    def _closed_while_generating(self, llm, error: Exception | None = None) -> None:
+        """Raise EngineClosedError if `close` came while `llm` generated."""
+        if self.__dict__.get("_llm") is not llm:
+            raise EngineClosedError("the vLLM rollout engine was closed while it generated (its run ended or was "
+                                    "stopped): its samples are incomplete") from error
 
     def _collect(self, outputs, params: SamplingParams, first_index: int = 0) -> list[Generation]:
         generations: list[Generation] = []
@@ -357,11 +395,11 @@ class VLLMRolloutEngine:
         return generations
 
     def close(self) -> None:
-        """Stop the engine's processes and free its memory."""
-        llm = getattr(self, "llm", None)
+        """Stop the engine's processes and free its memory (from any thread: a call running on another one raises
+        EngineClosedError)."""
+        llm = self.__dict__.pop("_llm", None)
         if llm is None:
             return
-        self.llm = None
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()

@@ -2,7 +2,7 @@
 
 `check_inputs(config)` checks the torchrun-style environment (RANK < WORLD_SIZE, ...), that run.storage_root and
 tracking.tracking_uri can be written (nothing is created), model.path (a model folder whose tokenizer loads and
-round-trips a short text), the reward function, the prompt files (exist, Parquet, the
+round-trips a short text, and whose tokenizer's eos is one the model declares), the reward function, the prompt files (exist, Parquet, the
 columns verl's layout needs, not empty, prompts within data.max_prompt_length per data.overlong_prompts)
 and data.prompts_per_step against the prompts there are; a problem is one ValueError line naming the
 field, the value and what would be valid. It returns what a run reports at its start: prompt counts,
@@ -20,7 +20,7 @@ from typing import Mapping
 import fsspec
 
 from components.data import expand_pattern, load_prompts
-from components.models import check_model_source, load_tokenizer
+from components.models import check_eos, check_model_source, load_tokenizer
 from components.placement import check_distributed_env
 from components.rewards import AUTO, load_reward_function, scorer_for
 from flows.config import Config
@@ -90,6 +90,7 @@ def check_inputs(config: Config, env: Mapping[str, str] | None = None) -> InputS
     else:
         check_model_source(config.reward.model_path, field="reward.model_path", needs_config=True)
     tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code, check=True)
+    check_eos(tokenizer, config.model.path, trust_remote_code=config.model.trust_remote_code)
     data = config.data
     train, dropped = load_prompts(data.train_files, tokenizer, max_prompt_length=data.max_prompt_length,
                                   overlong=data.overlong_prompts, field="data.train_files", target=config.warm_start.target)

@@ -252,3 +252,41 @@ def test_optimizer_is_fused_only_on_cuda():
     if torch.cuda.is_available():
         optimizer, _ = make_optimizer(torch.nn.Linear(4, 4).cuda(), OptimConfig())
         assert optimizer.defaults["fused"] is True
+
+
+def _copy_with_generation_eos(model_path, tmp_path, eos_token_id):
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_path, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    config["eos_token_id"] = eos_token_id
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_check_eos_returns_the_eos_ids_when_tokenizer_and_model_agree(model_path, tmp_path):
+    from components.models import check_eos
+
+    model_path = str(model_path)
+    tokenizer = load_tokenizer(model_path)
+    assert check_eos(tokenizer, model_path) == [tokenizer.eos_token_id]
+    # An instruct model may declare several (end of turn, end of text): the tokenizer's first, then the others.
+    listed = _copy_with_generation_eos(model_path, tmp_path, [7, tokenizer.eos_token_id])
+    assert check_eos(tokenizer, listed) == [tokenizer.eos_token_id, 7]
+
+
+def test_check_eos_refuses_a_tokenizer_eos_the_model_does_not_declare(model_path, tmp_path):
+    from components.models import check_eos
+
+    tokenizer = load_tokenizer(str(model_path))
+    folder = _copy_with_generation_eos(model_path, tmp_path, 7)
+    with pytest.raises(ValueError) as error:
+        check_eos(tokenizer, folder)
+    token = tokenizer.convert_ids_to_tokens(7)
+    assert str(error.value) == (
+        f"model.path={folder!r}: its tokenizer's eos is {tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) but "
+        f"its generation_config.json/config.json declare eos_token_id 7 ({token!r}); make them agree (eos_token in "
+        "tokenizer_config.json, or eos_token_id in generation_config.json), e.g. rebuild the folder with "
+        "`rlhf make-model`")

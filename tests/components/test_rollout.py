@@ -250,3 +250,19 @@ def test_rejected_load_leaves_weights_unchanged(model_path, tmp_path):
         engine.load_weights(str(deeper))
     after = _all_params(engine.model)
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_generation_stops_at_every_eos_the_model_declares(model, tokenizer):
+    """generation_config.json may list several eos ids; the engine ends a response at the first of any of them."""
+    prompt = PROMPTS[0]
+    first = _manual_greedy(model, prompt, 1, eos=tokenizer.eos_token_id)[0]
+    assert first != tokenizer.eos_token_id
+    declaring = copy.deepcopy(model)
+    declaring.generation_config.eos_token_id = [tokenizer.eos_token_id, first]
+    engine = HFRolloutEngine(declaring, tokenizer)
+    assert engine.eos_token_ids == [tokenizer.eos_token_id, first]
+    generation = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=6))[0]
+    assert (generation.response_ids, generation.finish_reason) == ([first], "stop")
+    # The model as it was stops only at the tokenizer's eos, so the same greedy response goes on past `first`.
+    plain = HFRolloutEngine(model, tokenizer).generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=6))[0]
+    assert plain.response_ids[0] == first and len(plain.response_ids) > 1
