@@ -37,17 +37,17 @@ case ${1:-} in
                data.max_prompt_length=$PROMPT_TOKENS data.prompts_per_step=$PROMPTS data.max_val_prompts=$VAL_PROMPTS
                rollout.n=$N rollout.max_new_tokens=$NEW_TOKENS rollout.temperature=$TEMPERATURE actor.optim.lr=$LR
                actor.ppo_mini_batch_size=$PROMPTS actor.micro_batch_size=$MICRO trainer.val_every=$VAL_EVERY
-               trainer.checkpoint_every=0)
+               trainer.checkpoint_every=0 ${EXTRA:-})
     say "doctor --data (the starting reward, greedy, transformers)"
-    timeout 120 python3 -m flows.tools.cli doctor configs/smollm2-1x.yaml "${overrides[@]}" --data --data-prompts 64 \
+    [ -n "${SKIP_DOCTOR:-}" ] || timeout 120 python3 -m flows.tools.cli doctor configs/smollm2-1x.yaml "${overrides[@]}" --data --data-prompts 64 \
       > "$OUT/real-doctor.log" 2>&1; grep -E "data |warn|took|FAIL" "$OUT/real-doctor.log" | cut -c1-300
     say "product GRPO for ${BUDGET_S:-240} s of training"
     timeout $((590 - (SECONDS - STARTED))) python3 bench/real_model.py configs/smollm2-1x.yaml "${overrides[@]}" \
-      --budget-s "${BUDGET_S:-240}" --name real-product --out "$OUT/real-product.json" > "$OUT/real-product.stdout" 2>&1
-    say "product exit $?"; grep -E "step [0-9]+/|validation|warning|error|SIGINT" "$OUT/real-product.stdout" | tail -40 | cut -c1-260
+      --budget-s "${BUDGET_S:-240}" --name "real-product${TAG:-}" --out "$OUT/real-product${TAG:-}.json" > "$OUT/real-product${TAG:-}.stdout" 2>&1
+    say "product exit $?"; grep -E "step [0-9]+/|validation|warning|error|SIGINT" "$OUT/real-product${TAG:-}.stdout" | tail -40 | cut -c1-260
     ;;
   trl)
-    say "TRL GRPO, ${STEPS:?set STEPS to the product's steps} steps"
+    say "TRL GRPO, ${STEPS:?set STEPS to the number of steps the product ran} steps"
     timeout $((590 - (SECONDS - STARTED))) python3 bench/trl_learning.py --model-dir $MODEL \
       --train-file $DATA/train.parquet --val-file $DATA/validation.parquet --prompts $PROMPTS --n $N \
       --max-prompt-tokens $PROMPT_TOKENS --max-new-tokens $NEW_TOKENS --lr $LR --micro-batch $MICRO --beta 0 \
