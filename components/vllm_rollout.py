@@ -109,15 +109,16 @@ def sleep_clears_prefix_cache() -> bool:
     return (major, minor) >= (0, 26)
 
 
-class EngineClosedError(RuntimeError):
-    """The engine was closed (its run ended or stopped) while a caller still used it."""
+class EngineStoppedError(RuntimeError):
+    """The engine was closed (its run ended or stopped), or its engine core stopped (a terminal's Ctrl-C reaches its
+    processes too), while a caller used it: what the call would return is incomplete."""
 
 
 class VLLMRolloutEngine:
     """Generation with vLLM's offline `LLM` engine (implements `components.protocols.RolloutRole`).
 
     `close` may come from another thread while a call runs (a stop releases the run's roles while its stage still
-    generates): every later use of the engine raises EngineClosedError, and so does a generation that vLLM's
+    generates): every later use of the engine raises EngineStoppedError, and so does a generation that vLLM's
     shutdown ended early, whose requests it returns cut short."""
 
     def __init__(self, path: str, *, dtype: str = "auto", tensor_parallel_size: int = 1,
@@ -182,10 +183,10 @@ class VLLMRolloutEngine:
 
     @property
     def llm(self):
-        """vLLM's `LLM`; EngineClosedError once the engine is closed."""
+        """vLLM's `LLM`; EngineStoppedError once the engine is closed."""
         llm = self.__dict__.get("_llm")
         if llm is None:
-            raise EngineClosedError("the vLLM rollout engine is closed (its run ended or was stopped)")
+            raise EngineStoppedError("the vLLM rollout engine is closed (its run ended or was stopped)")
         return llm
 
     @llm.setter
@@ -359,17 +360,18 @@ class VLLMRolloutEngine:
         except Exception as error:
             self._closed_while_generating(llm, error)
             raise
-        # Closed meanwhile: vLLM's shutdown ends the requests under way and returns them cut short.
+        # Closed meanwhile, or its engine core stopped: vLLM ends the requests under way and returns them cut short.
         self._closed_while_generating(llm)
+        _all_finished(outputs)
         generations = self._collect(outputs, params, first_index)
         if self.sleep_enabled:
             self.sleep()
         return generations
 
     def _closed_while_generating(self, llm, error: Exception | None = None) -> None:
-        """Raise EngineClosedError if `close` came while `llm` generated."""
+        """Raise EngineStoppedError if `close` came while `llm` generated."""
         if self.__dict__.get("_llm") is not llm:
-            raise EngineClosedError("the vLLM rollout engine was closed while it generated (its run ended or was "
+            raise EngineStoppedError("the vLLM rollout engine was closed while it generated (its run ended or was "
                                     "stopped): its samples are incomplete") from error
 
     def _collect(self, outputs, params: SamplingParams, first_index: int = 0) -> list[Generation]:
@@ -396,17 +398,43 @@ class VLLMRolloutEngine:
 
     def close(self) -> None:
         """Stop the engine's processes and free its memory (from any thread: a call running on another one raises
-        EngineClosedError)."""
+        EngineStoppedError)."""
         llm = self.__dict__.pop("_llm", None)
         if llm is None:
             return
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        _release_waiting_calls(core)  # the call under way returns now, not after the shutdown (seconds)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+        _release_waiting_calls(core)  # one that began its wait meanwhile
         del llm
         import gc
 
         gc.collect()
+
+
+def _all_finished(outputs) -> None:
+    """Raise EngineStoppedError if vLLM ended a request without finishing it (aborted: its engine core stopped),
+    RuntimeError if it failed one: the samples are cut short, and no rollout may be written of them."""
+    reasons = {str(completion.finish_reason) for output in outputs for completion in output.outputs
+               if completion.finish_reason not in ("stop", "length", "repetition")}
+    if reasons:
+        error = EngineStoppedError if reasons <= {"abort", "None"} else RuntimeError
+        raise error(f"vLLM ended samples unfinished (finish reason {', '.join(sorted(reasons))}): its engine stopped "
+                    "or failed during the generation")
+
+
+def _release_waiting_calls(core) -> None:
+    """Make the calls waiting on vLLM's engine core (its sync client: a generation for its next outputs, a
+    collective_rpc for its answer) raise EngineStoppedError: its shutdown stops the thread that would answer them,
+    and they would wait forever (a stop during a rollout hung so on the CPU)."""
+    error = EngineStoppedError("the vLLM rollout engine was closed during the call")
+    outputs = getattr(core, "outputs_queue", None)
+    if outputs is not None:
+        outputs.put_nowait(error)
+    for future in list(getattr(core, "utility_results", {}).values()):
+        with contextlib.suppress(Exception):  # answered meanwhile
+            future.set_exception(error)
 
 
 def prompt_shares(count: int, parts: int) -> list[tuple[int, int]]:

@@ -6,10 +6,11 @@ model; MLflow reports at INFO that it created its tables or started its system m
 those off the terminal only: Prefect's records still reach its API handler (the UI shows them) because the
 filter sits on the console handlers, not on the loggers. What stays: the flow's own lines (one per step, the
 run's start and end), every warning and error except the engine's report of a run failed by a user error (a
-ValueError, OSError or FloatingPointError: the CLI prints it as one line, Prefect keeps its traceback), and the
-progress lines of long work (`progress(...)`, `long_work(...)`: model loads and the engine start, the
-warm-start, validation, checkpoints, the export), the workers' ones relayed by the driver (`show`), and the
-run's warnings about itself (`warn(...)`: a run with no learning signal).
+ValueError, OSError or FloatingPointError: the CLI prints it as one line, Prefect keeps its traceback) and its
+reports of stages and the flow cut short by a stop (the CLI's stop line says it), and the progress lines of
+long work (`progress(...)`, `long_work(...)`: model loads and the engine start, the warm-start, validation,
+checkpoints, the export), the workers' ones relayed by the driver (`show`), and the run's warnings about itself
+(`warn(...)`: a run with no learning signal).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from prefect.exceptions import MissingContextError
 from prefect.logging.handlers import PrefectConsoleHandler
 from transformers.utils import logging as transformers_logging
 
+from flows.runtime.supervision import STOPPING
+
 PROGRESS_LOGGER = "rlhf.progress"
 
 _ENGINE_LINES = re.compile(
@@ -42,11 +45,12 @@ USER_ERRORS = (ValueError, OSError, FloatingPointError)
 
 
 def _reported_by_the_cli(record: logging.LogRecord) -> bool:
-    """Prefect's engine reporting a task or flow run that failed: with a user error (the traceback), or the
-    final `Finished in state Failed(...)` line, which repeats the error the CLI prints."""
+    """Prefect's engine reporting a task or flow run that failed: with a user error (the traceback), the final
+    `Finished in state Failed(...)` line, which repeats the error the CLI prints, or any failure or crash while
+    the process stops (a stage interrupted by the stop, the flow's `Crash detected!`): the CLI's stop line says it."""
     if record.levelno != logging.ERROR or not record.name.startswith(("prefect.task_runs", "prefect.flow_runs")):
         return False
-    if record.exc_info and isinstance(record.exc_info[1], USER_ERRORS):
+    if STOPPING.is_set() or (record.exc_info and isinstance(record.exc_info[1], USER_ERRORS)):
         return True
     return record.getMessage().startswith("Finished in state Failed(")
 

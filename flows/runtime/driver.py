@@ -25,6 +25,7 @@ from flows.runtime.recovery import (check_step_files, commit_checkpoint, driver_
                                     latest_checkpoint, read_run_record, record_resume_changes, record_stage_metrics,
                                     repair_latest_pointer, run_record_path, write_run_record)
 from flows.runtime.residents import release_run
+from flows.runtime.supervision import STOPPING
 from flows.runtime.system_metrics import start_system_metrics
 from flows.runtime.tasks import scoped
 from flows.runtime.tracking import Tracker, flow_run_tags, tracking_uri
@@ -193,6 +194,7 @@ def start_run(config: Config, lineage: dict | None = None) -> RunState:
     layout = layout_for(config)
     ctrl = config.algorithm.kl_ctrl
     controller = make_kl_controller(ctrl.type, ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
+    STOPPING.clear()  # a run starting in this process (the Python API after a stopped one) is not being stopped
     release_run(config)
     if config.precision_warning:
         print(config.precision_warning)

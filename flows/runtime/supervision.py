@@ -31,6 +31,21 @@ from fsspec.implementations.local import LocalFileSystem
 
 STOPPING = threading.Event()
 """Set when this process was asked to stop (SIGTERM, Ctrl-C): what follows is the stop, not a failure."""
+
+
+def mark_stopping() -> None:
+    """Set STOPPING where a stop is caught other than by the CLI's signal handler (the flow, whose SIGTERM Prefect's
+    own handler turns into TerminationSignal). A function: the flow's function is pickled by value with its globals
+    for task workers (flows.runtime.dispatch), and an Event does not pickle."""
+    STOPPING.set()
+
+
+class Stopped(KeyboardInterrupt):
+    """A stage that ran into its process's stop: its roles were released, its engine closed under it, or it raised
+    while the process stopped. A KeyboardInterrupt, as the stop itself: Prefect records the task run Crashed and
+    does not retry it, and nothing takes it for the stage's own failure."""
+
+
 PARENT_PID_ENV = "RLHF_PARENT_PID"
 """Set by whoever starts a worker: the pid the worker lives for (watch_parent)."""
 _PR_SET_PDEATHSIG = 1

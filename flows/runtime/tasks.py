@@ -5,10 +5,14 @@ run in the worker's heartbeat (so the driver tells a slow stage from a dead work
 on the other ranks of a sharded role, drops the models of an earlier run with the same name, starts
 the worker's system metrics once the run's MLflow run exists, and leaves the result for the driver
 (flows/runtime/dispatch.py). None of this is the algorithm's business.
+
+In either process, a stage that raises while its process stops (SIGTERM, Ctrl-C: the flow's `finally` released
+the roles and closed the engine it was using) raises `Stopped` instead: the stop, not a failure to retry or report.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -24,6 +28,7 @@ from prefect.runtime import task_run
 from components.distributed import broadcast_call, is_distributed
 from flows.runtime import worker
 from flows.runtime.residents import LOAD_COUNTS, forget_earlier_run
+from flows.runtime.supervision import STOPPING, Stopped
 from flows.runtime.system_metrics import start_system_metrics
 
 
@@ -34,21 +39,45 @@ def inject_failure(stage: str, step) -> None:
     once (a marker in the heartbeat folder remembers), as a lost machine would: no exception, no final
     state. It dies first thing in the stage, so the server may never learn the stage started (Prefect sends
     task run states as events); stage:step:kill-running waits until the server has the task run Running, as
-    for a machine lost in the middle of a stage."""
+    for a machine lost in the middle of a stage; stage:step:stop sends that process SIGTERM, once, as `kill` or
+    a process manager would, and the stage goes on: a stop that arrives while the stage runs."""
     target = os.environ.get("RLHF_INJECT_FAILURE", "")
     if not target:
         return
     if target == f"{stage}:{step}":
         raise RuntimeError(f"injected failure in stage {stage} at step {step} (RLHF_INJECT_FAILURE={target})")
-    if target in (f"{stage}:{step}:kill", f"{stage}:{step}:kill-running"):
-        fs, root = fsspec.core.url_to_fs(worker.heartbeat_dir())
-        marker = f"{root.rstrip('/')}/injected-kill-{stage}-{step}"
-        if not fs.exists(marker):
-            fs.makedirs(root, exist_ok=True)
-            fs.touch(marker)
-            if target.endswith("-running"):
-                _until_the_server_has_it_running()
-            os.kill(os.getpid(), signal.SIGKILL)
+    prefix = f"{stage}:{step}:"
+    mode = target[len(prefix):] if target.startswith(prefix) else ""
+    if mode not in ("kill", "kill-running", "stop"):
+        return
+    if _first_time(f"injected-{'stop' if mode == 'stop' else 'kill'}-{stage}-{step}"):
+        if mode == "kill-running":
+            _until_the_server_has_it_running()
+        os.kill(os.getpid(), signal.SIGTERM if mode == "stop" else signal.SIGKILL)
+
+
+def _first_time(name: str) -> bool:
+    """Whether the marker `name` in the heartbeat folder is new (it is made now): an injected fault happens once."""
+    fs, root = fsspec.core.url_to_fs(worker.heartbeat_dir())
+    marker = f"{root.rstrip('/')}/{name}"
+    if fs.exists(marker):
+        return False
+    fs.makedirs(root, exist_ok=True)
+    fs.touch(marker)
+    return True
+
+
+@contextlib.contextmanager
+def stopped_by_the_stop(stage: str, step):
+    """An error raised by the stage while its process stops is the stop's doing (its engine closed under it, its
+    role released): raised as Stopped, chained to the error, which Prefect records as a crash, not retried."""
+    try:
+        yield
+    except Exception as error:
+        if not STOPPING.is_set():
+            raise
+        where = stage if step is None else f"{stage} at step {step}"
+        raise Stopped(f"stage {where} was stopped with its run ({type(error).__name__}: {error})") from error
 
 
 def _until_the_server_has_it_running(timeout_s: float = 10.0) -> None:
@@ -122,7 +151,8 @@ def stage_task(function: Callable[..., dict], name: str):
         step = kwargs.get("step", args[1] if len(args) > 1 else None)
         if worker.CURRENT is None:
             inject_failure(name, step)
-            return function(*args, **kwargs)
+            with stopped_by_the_stop(name, step):
+                return function(*args, **kwargs)
 
         # First thing: the heartbeat says this worker holds the run, so the driver can tell a run
         # whose worker died (resubmit it) from one still waiting for a worker (flows.runtime.dispatch).
@@ -137,7 +167,8 @@ def stage_task(function: Callable[..., dict], name: str):
             # Here, not at worker start: the MLflow run exists only once the driver has started the flow.
             start_system_metrics(config, worker.CURRENT.state["role"])
             loads = sum(LOAD_COUNTS.values())
-            result = {**function(*args, **kwargs), "worker_started_at": started_at}
+            with stopped_by_the_stop(name, step):
+                result = {**function(*args, **kwargs), "worker_started_at": started_at}
             if sum(LOAD_COUNTS.values()) != loads:  # a model was loaded: before another stage can talk to it
                 worker.settle_heap()
             worker.publish_result(str(task_run.id), result)  # the driver's fast path (flows.runtime.dispatch)

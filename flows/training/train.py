@@ -34,7 +34,7 @@ from flows.runtime.attempts import retry_crashed
 from flows.runtime.console import progress
 from flows.runtime.driver import Pending, RunState, for_this_flow_run, run_name_for_this_flow_run, start_run
 from flows.runtime.residents import release_run
-from flows.runtime.supervision import RunLock
+from flows.runtime.supervision import RunLock, mark_stopping
 from flows.runtime.system_metrics import stop_system_metrics
 from flows.runtime.transport import transport_for
 from flows.training.export import export_run
@@ -264,6 +264,8 @@ def train(config: Config | None = None, config_file: str | None = None, deployme
         status = "KILLED"
         raise
     finally:
+        if status == "KILLED":  # stages still running then find their roles released by a stop (runtime/residents.py)
+            mark_stopping()
         try:  # a checkpoint being written is kept for the resume
             state.settle_checkpoint(stopping=True)
         except Exception as error:  # noqa: BLE001 - not instead of the error that ends the run

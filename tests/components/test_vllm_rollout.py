@@ -429,3 +429,79 @@ def test_direct_loading_only_where_layers_keep_their_tensors_as_loaded():
     assert not direct_loading(model)  # on the CPU
     model[1].quant_method = Fp8LinearMethod()
     assert not kept_as_loaded(model)
+
+
+
+@pytest.mark.parametrize("stop", ["close at once", "close midway", "Ctrl-C midway"])
+def test_an_engine_stopped_while_it_generates_raises_instead_of_hanging_or_returning_cut_short_samples(
+        model_path, stop):
+    """A stop releases the run's roles while its rollout stage still generates on another thread (one-process
+    execution): the engine is closed under the generation. vLLM's shutdown alone leaves a generation waiting for
+    outputs forever (closed as it starts) or returns its requests cut short (closed midway), as it does when its
+    engine core gets a terminal's Ctrl-C (aborted); the engine's generation raises EngineStoppedError at once
+    instead, and so does every later call but sleep and close, which have nothing left to do. No partial rollout
+    for a resume to skip, no AttributeError of a closed engine."""
+    import signal
+    import threading
+    import time
+
+    from components.models import load_tokenizer
+    from components.vllm_rollout import EngineStoppedError, VLLMRolloutEngine
+
+    engine = VLLMRolloutEngine(model_path, dtype="float32", kv_cache_gib=0.5 if DEVICE == "cpu" else None,
+                               gpu_memory_utilization=0.3, max_model_len=160, enforce_eager=True, seed=0,
+                               tokenizer=load_tokenizer(model_path))
+    inside, raised = threading.Event(), []
+    generate = engine.llm.generate
+
+    def generating(*args, **kwargs):  # vLLM's own call: the test closes the engine once it runs
+        inside.set()
+        return generate(*args, **kwargs)
+
+    engine.llm.generate = generating
+    many = [[10 + index % 64, 11] for index in range(128)]
+    long = SamplingParams(n=8, temperature=1.0, max_new_tokens=128, ignore_eos=True, seed=0)  # seconds of work
+
+    def run() -> None:
+        try:
+            engine.generate(many, long)
+        except Exception as error:  # noqa: BLE001 - the test looks at it
+            raised.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert inside.wait(60)
+        time.sleep(0.0 if stop == "close at once" else 1.0)
+        closed_at = time.monotonic()
+        if stop == "Ctrl-C midway":  # to the engine core only: this process is pytest's
+            core, = engine.llm.llm_engine.engine_core.resources.engine_manager.processes
+            os.kill(core.pid, signal.SIGINT)
+        else:
+            engine.close()
+        thread.join(30)
+        assert not thread.is_alive(), "the generation still waits for the closed engine"
+        assert time.monotonic() - closed_at < 30
+    finally:
+        engine.close()
+    assert len(raised) == 1 and isinstance(raised[0], EngineStoppedError), raised
+    with pytest.raises(EngineStoppedError, match="closed"):
+        engine.generate([[10]], SamplingParams(n=1, max_new_tokens=2))
+    engine.sleep()  # a closed engine holds no memory: nothing to free
+
+
+def test_samples_that_vllm_ended_unfinished_are_refused():
+    """A request vLLM aborted (its engine core stopped) or failed has no complete sample: nothing is collected."""
+    from types import SimpleNamespace
+
+    from components.vllm_rollout import EngineStoppedError, _all_finished
+
+    def outputs(*reasons):
+        return [SimpleNamespace(outputs=[SimpleNamespace(finish_reason=reason) for reason in reasons])]
+
+    _all_finished(outputs("stop", "length", "stop"))
+    with pytest.raises(EngineStoppedError, match=r"unfinished \(finish reason None, abort\): its engine stopped"):
+        _all_finished(outputs("stop", "abort", None))
+    with pytest.raises(RuntimeError, match=r"finish reason error") as failed:
+        _all_finished(outputs("length", "error"))
+    assert not isinstance(failed.value, EngineStoppedError)

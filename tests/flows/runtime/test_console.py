@@ -36,6 +36,30 @@ def test_the_filter_drops_task_lifecycle_and_engine_lines_and_keeps_the_rest():
     assert keep(_record("rlhf.progress", "starting the vLLM rollout engine ..."))
 
 
+
+def test_while_the_process_stops_prefects_reports_of_cut_short_runs_leave_the_terminal():
+    """A stop (SIGTERM, Ctrl-C) ends the stages running beside the flow and the flow itself: Prefect reports each as
+    failed or crashed, which the CLI's one line (`SIGTERM: stopped; the run is resumable: ...`) says; other lines
+    stay."""
+    from flows.runtime.supervision import STOPPING
+
+    keep = console.ConsoleFilter().filter
+    failed = _record("prefect.task_runs", "Task run failed with exception: AttributeError(\"'NoneType' object has no "
+                     "attribute 'sleep'\")", logging.ERROR)
+    crash = "Crash detected! Execution was aborted by an interrupt signal."
+    crashed, stage_crashed = (_record(name, crash, logging.ERROR) for name in ("prefect.flow_runs",
+                                                                              "prefect.task_runs"))
+    assert keep(failed) and keep(crashed) and keep(stage_crashed)  # without a stop: a failure to read
+    STOPPING.set()
+    try:
+        assert not keep(failed) and not keep(crashed) and not keep(stage_crashed)
+        assert keep(_record("prefect.flow_runs", "the checkpoint being written could not be committed",
+                            logging.WARNING))
+        assert keep(_record("vllm.engine", "the engine died", logging.ERROR))
+        assert keep(_record("rlhf.progress", "checkpoint at step 4: the run, stopping, waits for the actor to write"))
+    finally:
+        STOPPING.clear()
+
 def test_quiet_console_filters_console_handlers_only_and_progress_reaches_the_terminal(monkeypatch):
     from prefect.logging.handlers import PrefectConsoleHandler
 

@@ -108,3 +108,62 @@ def test_a_worker_drops_the_roles_of_an_earlier_run_of_the_same_name(tmp_path):
     finally:
         release_run(config)
         residents._RUN_CREATED.pop(f"{tmp_path}/same", None)
+
+
+@pytest.fixture
+def stopping():
+    """This process asked to stop (SIGTERM, Ctrl-C), as the CLI's signal handler marks it; unmarked afterwards."""
+    from flows.runtime.supervision import STOPPING
+
+    STOPPING.set()
+    yield
+    STOPPING.clear()
+
+
+def test_a_stop_fences_the_released_run_so_a_stage_still_running_builds_nothing(runs, stopping):
+    """The flow's `finally` releases the run's roles while a stage may still run on another thread: during a stop,
+    no role of that run is built again (a vLLM engine nothing would close); another run is not fenced."""
+    from flows.runtime.supervision import Stopped
+
+    first, second = runs
+    built = []
+    engine = resident(first, "test-rollout", _builder(built, "rollout"))
+    release_run(first)
+    assert engine.closed and residents.stopped(first)
+    with pytest.raises(Stopped, match="the run was stopped and its roles released; role test-rollout is not built"):
+        resident(first, "test-rollout", _builder(built, "rollout"))
+    assert len(built) == 1
+    assert resident(second, "test-rollout", _builder(built, "rollout")) is built[-1] and not residents.stopped(second)
+
+
+def test_a_role_that_finishes_loading_after_the_stop_released_its_run_is_closed_again(runs, stopping):
+    from flows.runtime.supervision import Stopped
+
+    first, _ = runs
+    built = []
+
+    def build_while_the_stop_releases():
+        role = _builder(built, "rollout")()
+        release_run(first)  # the stop, on the main thread, while this role loads
+        return role
+
+    with pytest.raises(Stopped, match="stopped while role test-rollout was built"):
+        resident(first, "test-rollout", build_while_the_stop_releases)
+    assert built[0].closed and "test-rollout" not in [name for _, name in residents._RESIDENTS]
+
+
+def test_a_run_released_without_a_stop_is_built_again_and_the_fence_is_lifted(runs):
+    from flows.runtime.supervision import STOPPING
+
+    first, _ = runs
+    built = []
+    STOPPING.set()
+    try:
+        release_run(first)
+        assert residents.stopped(first)
+    finally:
+        STOPPING.clear()
+    assert not residents.stopped(first)  # a later run in this process (the tests, the Python API) builds again
+    release_run(first)  # the end of a run that was not stopped
+    assert residents._run_key(first) not in residents._STOPPED
+    assert resident(first, "test-actor", _builder(built, "actor")) is built[-1]

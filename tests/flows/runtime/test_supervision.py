@@ -97,3 +97,20 @@ def test_a_stopped_watch_reports_nothing(health_server):
     _Health.stall_until = time.monotonic() + 60
     time.sleep(0.6)
     assert lost == []
+
+
+def test_the_flow_marks_a_stop_through_a_function_and_still_pickles_for_task_workers():
+    """Prefect's SIGTERM handler raises in the flow before the CLI's marks the stop: the flow marks it (mark_stopping).
+    The flow's function is pickled by value with the globals it names when a stage goes to a task worker, so it names
+    a function, not the Event (which does not pickle: every stage under workers failed so)."""
+    import cloudpickle
+
+    from flows.runtime.supervision import STOPPING, mark_stopping
+    from flows.training.train import train
+
+    assert cloudpickle.loads(cloudpickle.dumps(train)).name == "rlhf-train"
+    try:
+        mark_stopping()
+        assert STOPPING.is_set()
+    finally:
+        STOPPING.clear()

@@ -93,3 +93,53 @@ def test_settling_a_workers_heap_frees_its_garbage_and_leaves_the_living_out_of_
     finally:
         gc.unfreeze()
     assert any(item is alive for item in gc.get_objects())
+
+
+def test_a_stop_injected_in_a_stage_signals_this_process_once_and_the_stage_goes_on(monkeypatch, tmp_path):
+    """stage:step:stop: SIGTERM to the process running the stage, as `kill` sends it, then the stage goes on (a stop
+    arriving while it runs); once, so that the resume of the stopped run passes it."""
+    import signal
+    import time
+
+    monkeypatch.setenv("RLHF_WORKER_DIR", str(tmp_path))  # where the marker of the injected stop goes
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "rollout:3:stop")
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda number, frame: received.append(number))
+    try:
+        inject_failure("rollout", 2)
+        inject_failure("reward", 3)
+        inject_failure("rollout", 3)  # returns: the stage goes on
+        deadline = time.monotonic() + 5
+        while not received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        inject_failure("rollout", 3)  # the resume's rollout at step 3: no second stop
+        time.sleep(0.1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert received == [signal.SIGTERM]
+    assert (tmp_path / "injected-stop-rollout-3").exists()
+
+
+def test_a_stage_that_raises_while_its_process_stops_raises_the_stop_not_its_error(monkeypatch):
+    """The flow's `finally` released the roles (closed the vLLM engine) under a stage still running on a thread: what
+    the stage raises then is the stop's doing. It raises Stopped (a KeyboardInterrupt: Prefect records the task run
+    Crashed and retries nothing), its cause chained; without a stop, the stage's error is its own."""
+    from flows.runtime.supervision import STOPPING, Stopped
+
+    monkeypatch.setattr(worker, "CURRENT", None)
+    monkeypatch.delenv("RLHF_INJECT_FAILURE", raising=False)
+
+    def rollout(config, step):
+        raise AttributeError("'NoneType' object has no attribute 'sleep'")
+
+    run = stage_task(rollout, "rollout").fn
+    with pytest.raises(AttributeError):
+        run("config", 49)
+    STOPPING.set()
+    try:
+        with pytest.raises(Stopped, match=r"^stage rollout at step 49 was stopped with its run \(AttributeError: "
+                                          r"'NoneType' object has no attribute 'sleep'\)$") as stopped:
+            run("config", 49)
+    finally:
+        STOPPING.clear()
+    assert isinstance(stopped.value, KeyboardInterrupt) and isinstance(stopped.value.__cause__, AttributeError)
