@@ -197,7 +197,8 @@ def declared_eos_ids(path: str, trust_remote_code: bool = False) -> list[int]:
 
 def eos_ids(tokenizer, declared: list[int] | None = None) -> list[int]:
     """The tokenizer's eos id first, then the model's other declared ones: where generation ends."""
-    first = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    eos = getattr(tokenizer, "eos_token_id", None)  # no tokenizer: an engine fed token ids only (tests, benches)
+    first = [] if eos is None else [int(eos)]
     return list(dict.fromkeys(first + list(declared or [])))
 
 
