@@ -190,6 +190,11 @@ def declared_eos_ids(path: str, trust_remote_code: bool = False) -> list[int]:
                                "eos_token_id", None)
         except (OSError, ValueError):
             declared = None
+    return id_list(declared)
+
+
+def id_list(declared) -> list[int]:
+    """An eos_token_id setting (None, an id or a list of ids) as a list of ids."""
     if declared is None:
         return []
     return [int(token) for token in (declared if isinstance(declared, (list, tuple)) else [declared])]

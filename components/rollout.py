@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from components.models import eos_ids, load_causal_lm, load_tokenizer
+from components.models import eos_ids, id_list, load_causal_lm, load_tokenizer
 from components.weight_channel import GroupReceiver, gpu_uuids, open_payload
 from components.weight_pull import RemoteWeights, new_session
 from components.weights import unpack_bucket
@@ -64,14 +64,6 @@ class Generation:
     extra: dict = field(default_factory=dict)
 
 
-def _generation_eos(model) -> list[int]:
-    """The eos ids of a loaded model's generation config (an id or a list; [] when it has none)."""
-    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if declared is None:
-        return []
-    return [int(token) for token in (declared if isinstance(declared, (list, tuple)) else [declared])]
-
-
 class HFRolloutEngine:
     """Generation with transformers `generate` (the CPU default and the fallback everywhere)."""
 
@@ -80,7 +72,8 @@ class HFRolloutEngine:
         self.tokenizer = tokenizer
         # Every eos the model declares (generation_config.json may list several: an instruct model's end of
         # turn and its end of text), the tokenizer's first.
-        self.eos_token_ids = eos_ids(tokenizer, _generation_eos(model))
+        declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.eos_token_ids = eos_ids(tokenizer, id_list(declared))
         self.micro_batch_size = micro_batch_size
         self.weights_version: int | None = None
         self.weight_session = new_session()
