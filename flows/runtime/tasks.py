@@ -40,7 +40,10 @@ def inject_failure(stage: str, step) -> None:
     state. It dies first thing in the stage, so the server may never learn the stage started (Prefect sends
     task run states as events); stage:step:kill-running waits until the server has the task run Running, as
     for a machine lost in the middle of a stage; stage:step:stop sends that process SIGTERM, once, as `kill` or
-    a process manager would, and the stage goes on: a stop that arrives while the stage runs."""
+    a process manager would, and the stage goes on: a stop that arrives while the stage runs; stage:step:stop-wait
+    sends it and waits (up to a minute) until the process has marked the stop before the stage goes on, so that
+    what the stage does next (a generation, say) runs while the run's `finally` releases the roles under it, as
+    when a stop comes in the middle of a long stage, whatever the machine's speed."""
     target = os.environ.get("RLHF_INJECT_FAILURE", "")
     if not target:
         return
@@ -48,12 +51,15 @@ def inject_failure(stage: str, step) -> None:
         raise RuntimeError(f"injected failure in stage {stage} at step {step} (RLHF_INJECT_FAILURE={target})")
     prefix = f"{stage}:{step}:"
     mode = target[len(prefix):] if target.startswith(prefix) else ""
-    if mode not in ("kill", "kill-running", "stop"):
+    if mode not in ("kill", "kill-running", "stop", "stop-wait"):
         return
-    if _first_time(f"injected-{'stop' if mode == 'stop' else 'kill'}-{stage}-{step}"):
+    stop = mode.startswith("stop")
+    if _first_time(f"injected-{'stop' if stop else 'kill'}-{stage}-{step}"):
         if mode == "kill-running":
             _until_the_server_has_it_running()
-        os.kill(os.getpid(), signal.SIGTERM if mode == "stop" else signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGTERM if stop else signal.SIGKILL)
+        if mode == "stop-wait":
+            STOPPING.wait(timeout=60)
 
 
 def _first_time(name: str) -> bool:
