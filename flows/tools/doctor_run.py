@@ -4,9 +4,22 @@ how the rollout gets each step's weights, how checkpoints are written. No model 
 
 from __future__ import annotations
 
+import os
+import time
+import uuid
+
+import fsspec
+
+from components.placement import DTYPE_BYTES
 from components.vllm_rollout import vllm_version
 from flows.runtime.transport import weight_sync_mode
 from flows.training.engines import engine_tensor_parallel, rollout_engine_name, rollout_sleeps
+from flows.training.plan import parameter_counts
+
+WRITE_PROBE_BYTES = 64 * 2**20
+"""What `rlhf doctor` writes under the storage root to time a checkpoint's writing."""
+STALL_SHARE = 0.05
+"""The share of a step a checkpoint's writing may cost on average (the presets' cadence keeps under it)."""
 
 
 def rollout_engine_report(config, placement: dict, has_gpus: bool) -> dict:
@@ -67,13 +80,62 @@ def weight_sync_report(config, engine: str, engine_detail: str, assignments: dic
                                         f"background for {stored}"}
 
 
-def checkpoint_report(config) -> dict:
-    """How often the roles' training state is checkpointed, and whether the run waits for the writing."""
+def checkpoint_report(config, counts: dict[str, int] | None = None, speed: float | None = None) -> dict:
+    """How often the roles' training state is checkpointed, whether the run waits for the writing, and what one
+    costs here: its size from the trained roles' parameter counts (`counts`, counted from the models' configs when
+    not given) and the time to write it at the storage root's measured speed (`speed`, bytes/s: measured now when
+    not given)."""
     trainer = config.trainer
     if not trainer.checkpoint_every:
         return {"detail": "never (trainer.checkpoint_every=0): a failed run starts over"}
     how = ("written in the background (trainer.checkpoint_async): the next step starts once the weights and "
            "AdamW state are copied to host memory, its update waits for the commit; the last at once"
            if trainer.checkpoint_async else "written before the next step starts (trainer.checkpoint_async=false)")
-    return {"detail": f"every {trainer.checkpoint_every} steps and the last, the newest "
-                      f"{trainer.keep_checkpoints} kept, {how}"}
+    report = {"detail": f"every {trainer.checkpoint_every} steps and the last, the newest "
+                        f"{trainer.keep_checkpoints} kept, {how}"}
+    trained = ["actor"] + (["critic"] if config.uses_critic else [])
+    counts = parameter_counts(config, trained)[0] if counts is None else counts
+    if not all(role in counts for role in trained):
+        return _with_cost(report, "size unknown (the models' parameters could not be counted: see Placement)")
+    per_parameter = 3 * DTYPE_BYTES[config.model.master_dtype]  # the weights and AdamW's two moments
+    size = sum(counts[role] for role in trained) * per_parameter
+    speed, where = storage_write_speed(config.run.storage_root) if speed is None else (speed, "given")
+    report |= {"bytes": size, "write_bytes_per_s": speed}
+    what = (f"each {size / 1e9:.2f} GB ({' + '.join(trained)}: {per_parameter} bytes a parameter, "
+            f"{config.model.master_dtype} weights and AdamW's two moments)")
+    if speed is None:
+        return _with_cost(report, f"{what}; the storage root's write speed was not measured ({where})")
+    seconds = size / speed
+    per_step = seconds / trainer.checkpoint_every
+    return _with_cost(report | {"write_s": seconds}, (
+        f"{what}, about {seconds:.1f} s to write at {speed / 1e6:.0f} MB/s ({where}): {per_step:.2f} s a step on "
+        f"average, under {STALL_SHARE:.0%} of steps longer than {per_step / STALL_SHARE:.1f} s "
+        "(trainer.checkpoint_every sets the cadence)"))
+
+
+def _with_cost(report: dict, cost: str) -> dict:
+    return report | {"cost": cost, "detail": f"{report['detail']}; {cost}"}
+
+
+def storage_write_speed(root: str) -> tuple[float | None, str]:
+    """(bytes/s of one WRITE_PROBE_BYTES write under `root`, flushed to the disk where it is local; how it was
+    measured), or (None, why not)."""
+    try:
+        fs, path = fsspec.core.url_to_fs(root)
+        fs.makedirs(path, exist_ok=True)
+        probe = f"{path.rstrip('/')}/.rlhf-doctor-speed-{uuid.uuid4().hex}"
+        block = b"\0" * (4 * 2**20)
+        started = time.perf_counter()
+        try:
+            with fs.open(probe, "wb") as handle:
+                for _ in range(WRITE_PROBE_BYTES // len(block)):
+                    handle.write(block)
+                handle.flush()
+                if hasattr(handle, "fileno"):  # a local file: to the disk, not only the page cache
+                    os.fsync(handle.fileno())
+            seconds = time.perf_counter() - started
+        finally:
+            fs.rm(probe)
+    except Exception as error:  # noqa: BLE001 - permissions, backends: the storage check says what is wrong
+        return None, f"{type(error).__name__}: {error}"
+    return WRITE_PROBE_BYTES / max(seconds, 1e-6), f"a {WRITE_PROBE_BYTES // 2**20} MiB write to {root} just now"

@@ -25,7 +25,7 @@ from components.rewards import RewardModel, load_reward_function
 from components.rollout import HFRolloutEngine
 from components.vllm_rollout import DataParallelRollout, VLLMRolloutEngine
 from flows.config import Config, layout_for
-from flows.runtime.console import long_work
+from flows.runtime.console import long_work, progress
 from flows.runtime.recovery import LATEST, restore_point, state_source
 from flows.runtime.residents import release_role, resident
 from flows.training.engines import engine_placements, rollout_engine_name, rollout_gpus, vllm_options
@@ -109,7 +109,7 @@ def trained_role(config: Config, name: str, step: int, stage: str):
     """
     instance = get_role(config, name)
     if instance.state_step == step:
-        return instance
+        return _announce_compilation(name, instance)
     held = instance.state_step
     source = state_source(layout_for(config), name, step, held, stage)
     release_role(config, name)
@@ -117,6 +117,16 @@ def trained_role(config: Config, name: str, step: int, stage: str):
     print(f"{name}: held the training state of {'no known step' if held is None else f'step {held}'}; stage "
           f"{stage} at step {step} needs step {step}'s: rebuilt from "
           f"{'the initial weights' if source is None else f'checkpoint {source}'}")
+    return _announce_compilation(name, instance)
+
+
+def _announce_compilation(name: str, instance):
+    """One line before the first forward of a role whose blocks model.compile compiled (they compile then: about
+    30 s for a 0.5B model on an H200, with nothing else said), once per build of the role."""
+    model = getattr(instance, "model", None)
+    if getattr(model, "rlhf_compile_pending", False):
+        model.rlhf_compile_pending = False
+        progress(f"compiling the {name}'s blocks (first step only) ...")
     return instance
 
 
@@ -133,6 +143,7 @@ def _compile_if_asked(config: Config, model) -> None:
         print("model.compile: not applied to a sharded (FSDP) model; it runs eagerly")
         return
     print(f"model.compile: {compile_layers(model)} transformer blocks compiled")
+    model.rlhf_compile_pending = True  # they compile at the first forward: trained_role says so then
 
 
 def _build_reference(config: Config):

@@ -71,3 +71,18 @@ def test_a_state_no_checkpoint_has_fails_with_one_line_saying_what_to_do(trained
         "stage update_actor at step 2: the actor holds the training state of step 3 and no checkpoint has step 2's "
         "(its worker was replaced, or an attempt of the stage stopped midway); resume the run: rlhf resume r "
         "(restarts at step 3)")
+
+
+def test_the_first_use_of_a_role_whose_blocks_compile_says_so_once(trained, monkeypatch):
+    """model.compile compiles the blocks at the first forward (about 30 s for a 0.5B model on an H200): the stage
+    that first asks for the role prints one line before it, the next ones nothing."""
+    config, built = trained
+    lines = []
+    monkeypatch.setattr(roles, "progress", lines.append)
+    first = trained_role(config, "actor", 3, "update_actor")
+    assert lines == []  # a model without compiled blocks (the CPU's, model.compile=false)
+    first.model = type("Model", (), {"rlhf_compile_pending": True})()
+    assert trained_role(config, "actor", 3, "update_actor") is first
+    assert lines == ["compiling the actor's blocks (first step only) ..."]
+    trained_role(config, "actor", 3, "old_logprobs")
+    assert lines == ["compiling the actor's blocks (first step only) ..."] and not first.model.rlhf_compile_pending
