@@ -5,6 +5,8 @@
 #                                      STEPS measured steps, default 2), each bounded by what is left of DEADLINE_S
 #                                      (default 590 s from the script's start); shared Prefect server; PRODUCT_SET as
 #                                      for phase t
+#   bash bench/gpu-session.sh verl     one H200, GPU 0: verl 0.9.1's GRPO trainer at the `one` phase's knobs
+#                                      (bench/verl/README.md; STEPS default 3), for the same lease as `one`
 #   bash bench/gpu-session.sh w        one H200, GPU 0: bench/weight_sync.py (storage, then memory) at the 0.5B, then
 #                                      the 1.5B shape (weight-sync-0.5b.json, weight-sync-1.5b.json)
 #   bash bench/gpu-session.sh ws       one H200, GPU 0: product GRPO (0.5B) with trainer.weight_sync=memory, then storage
@@ -168,6 +170,10 @@ for phase in "$@"; do
        run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps" "${product_set[@]}"
        run trl-grpo-1gpu 0 bench/trl_grpo.py --steps "$steps"
        run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps" "${product_set[@]}" ;;
+    verl) # one H200: verl 0.9.1's own GRPO trainer at the `one` phase's knobs (bench/verl/README.md: the wheels copied
+       # to /tmp/verl-stage first, VERL_PREP_ONLY=1 once); STEPS (default 3: one warm-up and two measured steps)
+       echo "== verl: bench/verl/verl_bench.sh STEPS=${STEPS:-3}"
+       CUDA_VISIBLE_DEVICES=0 STEPS=${STEPS:-3} OUT=$OUT bash bench/verl/verl_bench.sh 2>&1 | tail -40 ;;
     big) shared_prefect_server  # one H200: product GRPO at the 1.5B, then the 3B shape, on GPU 0
        export DEADLINE_S=${DEADLINE_S:-590}
        steps=${STEPS:-2}
