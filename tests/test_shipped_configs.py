@@ -1,9 +1,10 @@
 """Every shipped config loads and validates through the loaders users go through (torchtune tests its recipes'
 configs the same way): each `configs/*.yaml` as `rlhf train FILE` reads it (flows.config.load_config), and each
 deployment of prefect.yaml as its flow run will resolve it (its parameters checked against the flow's signature by
-Prefect, then config_file + deployment_overrides through flows.tools.submit.check_submission, which is the flow's
-resolve_config). The lists come from globs, so a new config or deployment is tested without touching this file;
-the negative cases prove that a misspelled key or a wrong value in such a file is refused, not silently ignored.
+Prefect, then config_file, deployment_overrides and a run's overrides through the flow's resolve_config, as
+`rlhf submit` resolves them too). The lists come from globs, so a new config or deployment is tested without
+touching this file; the negative cases prove that a misspelled key or a wrong value in such a file is refused,
+not silently ignored.
 """
 
 from __future__ import annotations
@@ -55,26 +56,38 @@ def _aliases(section: str) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("name", DEPLOYMENTS)
-def test_deployment_resolves(name):
+def _deployment(name: str, project_file: Path = PROJECT_FILE) -> dict:
+    return next(entry for entry in yaml.safe_load(project_file.read_text(encoding="utf-8"))["deployments"]
+                if entry["name"] == name)
+
+
+def _flow_of(entry: dict):
     from prefect.flows import load_flow_from_entrypoint
 
-    from flows.tools.submit import check_submission, deployment_parameters
-
-    entry = next(entry for entry in yaml.safe_load(PROJECT_FILE.read_text(encoding="utf-8"))["deployments"]
-                 if entry["name"] == name)
     module, function = entry["entrypoint"].split(":")
-    flow = load_flow_from_entrypoint(f"{ROOT / module}:{function}")
-    parameters = deployment_parameters(name, PROJECT_FILE)
-    # What Prefect does with a deployment's parameters: unknown names are refused against the flow's signature.
-    flow.validate_parameters(parameters)
+    return load_flow_from_entrypoint(f"{ROOT / module}:{function}")
+
+
+def resolve_deployment(name: str, overrides: list[str] = (), project_file: Path = PROJECT_FILE) -> Config:
+    """The config a flow run of deployment `name` resolves to: Prefect checks its parameters against the flow's
+    signature, then the flow's resolve_config reads config_file (relative to prefect.yaml's folder, where the
+    deployment's pull step runs the flow), deployment_overrides, then a run's overrides."""
+    from flows.training.train import resolve_config
+
+    entry = _deployment(name, project_file)
+    parameters = _flow_of(entry).validate_parameters({**(entry.get("parameters") or {}), "overrides": list(overrides)})
+    if parameters.get("config_file") is not None:
+        parameters["config_file"] = str(project_file.parent / parameters["config_file"])
+    return resolve_config(**parameters)
+
+
+@pytest.mark.parametrize("name", DEPLOYMENTS)
+def test_deployment_resolves(name):
+    parameters = _deployment(name).get("parameters") or {}
     if "config_file" in parameters:
         assert (ROOT / parameters["config_file"]).is_file(), parameters["config_file"]
-    # What the flow run (and `rlhf submit`) does: config_file, then deployment_overrides, then a run's overrides.
-    config = check_submission(name, [], PROJECT_FILE)
-    assert isinstance(config, Config)
-    with_run_overrides = check_submission(name, ["trainer.total_steps=2"], PROJECT_FILE)
-    assert with_run_overrides.trainer.total_steps == 2
+    assert isinstance(resolve_deployment(name), Config)
+    assert resolve_deployment(name, ["trainer.total_steps=2"]).trainer.total_steps == 2
 
 
 # -- the negative cases: a file with a mistake in it is refused, with the field named ------------------------------
@@ -123,19 +136,17 @@ def test_a_config_with_a_mistake_is_refused(path, mistake, tmp_path):
 ], ids=["misspelled", "invalid"])
 @pytest.mark.parametrize("name", DEPLOYMENTS)
 def test_a_deployment_with_a_mistake_is_refused(name, override, expected, tmp_path):
-    from flows.tools.submit import check_submission
-
     project = yaml.safe_load(PROJECT_FILE.read_text(encoding="utf-8"))
     for entry in project["deployments"]:
         if entry["name"] == name:
-            entry["parameters"]["deployment_overrides"] = [*entry["parameters"].get("deployment_overrides", []),
-                                                           override]
-            if "config_file" in entry["parameters"]:
-                entry["parameters"]["config_file"] = str(ROOT / entry["parameters"]["config_file"])
+            parameters = entry["parameters"]
+            parameters["deployment_overrides"] = [*parameters.get("deployment_overrides", []), override]
+            if "config_file" in parameters:
+                parameters["config_file"] = str(ROOT / parameters["config_file"])
     broken = tmp_path / "prefect.yaml"
     broken.write_text(yaml.safe_dump(project), encoding="utf-8")
     with pytest.raises(ConfigError) as error:
-        check_submission(name, [], broken)
+        resolve_deployment(name, project_file=broken)
     assert expected in str(error.value)
 
 
@@ -145,9 +156,7 @@ def test_a_deployment_with_a_mistake_is_refused(name, override, expected, tmp_pa
 ], ids=["unknown-parameter", "overrides-not-a-list"])
 def test_deployment_parameters_the_flow_does_not_take_are_refused(parameters, expected):
     from prefect.exceptions import ParameterTypeError, SignatureMismatchError
-    from prefect.flows import load_flow_from_entrypoint
 
-    flow = load_flow_from_entrypoint(f"{ROOT / 'flows/training/train.py'}:train")
     with pytest.raises((SignatureMismatchError, ParameterTypeError)) as error:
-        flow.validate_parameters(parameters)
+        _flow_of(_deployment("quickstart")).validate_parameters(parameters)
     assert expected in str(error.value)
