@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import emit, machine_info, markdown_table  # noqa: E402
 from components.tiny import TinyModelSpec, tiny_config  # noqa: E402
-from components.weights import BucketBuffers, PackPlan, compute_tensors, pack_buckets  # noqa: E402
+from components.weight_sync.buckets import BucketBuffers, PackPlan, compute_tensors, pack_buckets  # noqa: E402
 
 
 def python_work(stop: list) -> None:

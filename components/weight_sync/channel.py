@@ -1,4 +1,4 @@
-"""The primitives of a weights stream between processes (components/weight_stream.py has the protocol):
+"""The primitives of a weights stream between processes (sender.py has the protocol):
 where a sender listens (`Channel`), process groups made over its store (`make_group`: NCCL or gloo, apart
 from any default group of the process, e.g. vLLM's own), and a bucket's payload as plain data, opened on the
 receiving side (`open_payload`): a CUDA IPC handle of the sender's buffer, a broadcast of a group, or bytes.
@@ -7,11 +7,9 @@ receiving side (`open_payload`): a CUDA IPC handle of the sender's buffer, a bro
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import os
 import socket
-import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -20,63 +18,6 @@ import torch
 
 IPC_KIND, COLLECTIVE_KIND = "cuda_ipc", "collective"
 
-TRACE_ENV = "RLHF_WEIGHTS_TRACE"
-
-
-def tracing() -> bool:
-    return os.environ.get(TRACE_ENV) == "1"
-
-
-def trace(event: str, **fields) -> None:
-    """With RLHF_WEIGHTS_TRACE=1 in the workers' environment, one line per step of a hand-over on both sides
-    (`weights-trace <wall clock> pid=<pid> <event> ...`), to line the actor's and the rollout's logs up.
-    Written to the process's stderr itself: a flow's `log_prints` would send a print to Prefect's logger."""
-    if tracing():
-        details = "".join(f" {name}={value}" for name, value in fields.items())
-        os.write(2, f"weights-trace {time.time():.6f} pid={os.getpid()} {event}{details}\n".encode())
-        if not _GC_TIMED:
-            _GC_TIMED.append(True)
-            gc.callbacks.append(_time_collection)
-
-
-_IDLE_FILES = ("threading.py", "selectors.py", "queue.py", "base_events.py", "socket.py", "ssl.py")
-
-
-def busy_threads(depth: int = 3) -> str:
-    """What the process's other threads are doing now, those not waiting (on a lock, a queue, a socket, an
-    event loop's select): each as name@file:line:function<... of its innermost `depth` frames."""
-    import sys
-
-    names = {thread.ident: thread.name for thread in threading.enumerate()}
-    busy = []
-    for ident, frame in sys._current_frames().items():
-        if ident == threading.get_ident() or os.path.basename(frame.f_code.co_filename) in _IDLE_FILES:
-            continue
-        places = []
-        while frame is not None and len(places) < depth:
-            places.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}:{frame.f_code.co_name}")
-            frame = frame.f_back
-        busy.append(f"{names.get(ident, ident)}@{'<'.join(places)}".replace(" ", "_"))
-    return ",".join(busy) or "-"
-
-
-_GC_TIMED: list = []  # whether this process traces its garbage collections (from its first traced event on)
-_GC_STARTED: dict = {}
-GC_TRACE_MS = 5.0
-
-
-def _time_collection(phase: str, info: dict) -> None:
-    """A collection that stopped this process's threads for GC_TRACE_MS or more, as `gc` in the trace: each
-    one stops a stream's thread too."""
-    if phase == "start":
-        _GC_STARTED["at"] = time.perf_counter()
-        return
-    started = _GC_STARTED.pop("at", None)
-    elapsed_ms = 0.0 if started is None else (time.perf_counter() - started) * 1e3
-    if elapsed_ms >= GC_TRACE_MS:
-        os.write(2, f"weights-trace {time.time():.6f} pid={os.getpid()} gc generation={info.get('generation')} "
-                    f"ms={elapsed_ms:.1f} collected={info.get('collected')} "
-                    f"thread={threading.current_thread().name}\n".encode())
 
 class StreamError(RuntimeError):
     """The stream broke: the other side went away or went silent."""
@@ -234,7 +175,7 @@ class GroupReceiver:
 
 _OPENED: dict[tuple, torch.UntypedStorage] = {}
 """The senders' buffers this process has opened (newest last, a few kept): a sender that keeps its buffer
-(components.weights.BucketBuffers) shares the same handle every time, which is then mapped once."""
+(buckets.BucketBuffers) shares the same handle every time, which is then mapped once."""
 _OPENED_KEPT = 4
 
 

@@ -1,6 +1,6 @@
-"""The rollout's side of a weights stream (components/weight_stream.py has the protocol and the actor's
-side): `RemoteWeights`, a policy version pulled from the actor's worker into an engine that offers the
-`Loader` methods (VLLMRolloutEngine, HFRolloutEngine); `abort`, the driver giving a hand-over up.
+"""The rollout's side of a weights stream (sender.py has the protocol and the actor's side): `RemoteWeights`,
+a policy version pulled from the actor's worker into an engine that offers the `Loader` methods
+(VLLMRolloutEngine, HFRolloutEngine); `abort`, the driver giving a hand-over up.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import time
 import uuid
 from typing import Callable, Protocol
 
-from components.weight_channel import COLLECTIVE_KIND, STREAM_POLL_S, Channel, StreamError, connect, poll, trace
+from components.weight_sync.channel import COLLECTIVE_KIND, STREAM_POLL_S, Channel, StreamError, connect, poll
+from components.weight_sync.trace import trace
+
 
 class WeightsUnavailable(RuntimeError):
     """The sender's actor does not hold the version asked for (a replaced worker, a failed update)."""

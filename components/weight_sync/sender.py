@@ -1,5 +1,5 @@
 """Weights between processes: the actor's worker streams a policy version to the rollout's worker in the
-compute-dtype buckets of components/weights.py, with no copy on storage on the way (trainer.execution=workers).
+compute-dtype buckets of buckets.py, with no copy on storage on the way (trainer.execution=workers).
 
 Rendezvous. The sender (the actor's rank 0) hosts a TCPStore and says where it listens in a small JSON
 `Channel` (address, port, a random token, its pid) that the transport writes to the run folder. The rest is
@@ -20,7 +20,7 @@ rollout on one GPU). `collective`: a process group of the sender (rank 0) and th
 over the same store, NCCL when both sides compute on GPUs (other GPUs of the host, or other hosts that reach
 the sender's address), gloo otherwise (CPUs: the CPU build in CI); made once per receiving engine and kept.
 
-The rollout's side is components/weight_pull.py (`RemoteWeights`). A sharded actor: every rank calls
+The rollout's side is receiver.py (`RemoteWeights`). A sharded actor: every rank calls
 `WeightSender.serve`; rank 0 talks to the store and hands each decision
 to the others (`decide`), so that all ranks gather the same parameters, one at a time, in the same order.
 
@@ -46,10 +46,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from components.weight_channel import (COLLECTIVE_KIND, IDLE_POLL_S, IPC_KIND, STREAM_POLL_S, Channel, StreamError,
-                                       broadcast, busy_threads, encode_share, ipc_payload, listen,
-                                       make_group, poll, seconds, trace, tracing)
-from components.weights import BucketBuffers, PackPlan, compute_tensors, pack_buckets
+from components.weight_sync.buckets import BucketBuffers, PackPlan, compute_tensors, pack_buckets
+from components.weight_sync.channel import (COLLECTIVE_KIND, IDLE_POLL_S, IPC_KIND, STREAM_POLL_S, Channel,
+                                            StreamError, broadcast, encode_share, ipc_payload, listen, make_group,
+                                            poll, seconds)
+from components.weight_sync.trace import busy_threads, trace, tracing
 
 SLOW_PACK_S = 0.03  # traced: a bucket that took longer to pack (7-23 ms at the 0.5B shape on one H200)
 

@@ -4,9 +4,9 @@ is pickled across processes (vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION stays off)
 plain data (strings, numbers, lists, bytes).
 
 Weights arrive two ways: a safetensors folder on storage (`rlhf_reload_path`), or in memory as packed
-buckets (components/weights.py) that are a CUDA IPC handle of the sender's GPU buffer (no copy through the
+buckets (buckets.py) that are a CUDA IPC handle of the sender's GPU buffer (no copy through the
 host), a broadcast of a process group the worker joined with the actor's worker (`rlhf_join_group`:
-NCCL between GPUs, gloo on CPUs; components/weight_stream.py), or the bucket's bytes (the CPU build in
+NCCL between GPUs, gloo on CPUs; sender.py), or the bucket's bytes (the CPU build in
 the actor's own process).
 """
 
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from components.weight_channel import GroupReceiver, gpu_uuids, open_payload
-from components.weights import unpack_bucket
+from components.weight_sync.buckets import unpack_bucket
+from components.weight_sync.channel import GroupReceiver, gpu_uuids, open_payload
 
 
 def _quiet_layerwise():

@@ -8,13 +8,13 @@ actor's weights through a `Transport`. Batches are always Parquet files of the r
   atomically, which the rollout engine reads back (any process, any host).
 - `MemoryTransport` (the rollout engine lives in the actor's process: `trainer.execution=local`): the
   engine gets the actor's live weights in memory, streamed in compute-dtype buckets (over CUDA IPC to
-  vLLM's workers on a GPU; components/weights.py); a stored copy is written, in the background, only of
+  vLLM's workers on a GPU; components/weight_sync/buckets.py); a stored copy is written, in the background, only of
   the versions recovery and export read back: checkpoint steps, the last step (every step with
   `trainer.keep_weights=null`). A resumed run reloads the rollout from the checkpoint step's copy,
   bit for bit what the memory path had given it. The copy's snapshot waits until the version was handed
   to the rollout (flows/runtime/stored_copy.py).
 - `StreamTransport` (`trainer.execution=workers`): the same, between the actor's worker and the rollout's
-  (components/weight_stream.py). The rollout's stage pulls the version it needs through the actor's channel
+  (components/weight_sync/sender.py). The rollout's stage pulls the version it needs through the actor's channel
   (`weights/actor/channel.json`): CUDA IPC where it sees the actor's GPU, else NCCL (gloo on CPUs). An
   unsharded actor answers from a thread as soon as it has published; the driver runs the actor's
   `send_weights` beside each such stage (`streams`), which holds the actor still until the pull is done and,
@@ -33,10 +33,12 @@ import pyarrow as pa
 
 from components.distributed import broadcast_call, full_state_dict, is_distributed, is_writer
 from components.precision import save_compute_copy
-from components.weight_channel import Channel, StreamError, trace
-from components.weight_pull import LOAD_PARTS, RemoteWeights, WeightsUnavailable, abort
-from components.weight_stream import WeightSender
-from components.weights import InMemoryWeights, compute_tensors, copy_files, write_copy
+from components.weight_sync.buckets import compute_tensors
+from components.weight_sync.channel import Channel, StreamError
+from components.weight_sync.receiver import LOAD_PARTS, RemoteWeights, WeightsUnavailable, abort
+from components.weight_sync.sender import WeightSender
+from components.weight_sync.trace import trace
+from components.weight_sync.versions import InMemoryWeights, copy_files, write_copy
 from flows.config import Config, layout_for
 from flows.runtime.recovery import prune_weights
 from flows.runtime.stored_copy import claim, copy_due, release, start_copy, writer_gone

@@ -189,7 +189,8 @@ def test_weights_streamed_from_a_live_model_replace_every_tensor(engine, model_p
     enough that the model takes several, reach the engine with no file written; generation then gives
     exactly what transformers computes for that model, and the engine reloads them on wake."""
     from components.models import load_causal_lm
-    from components.weights import InMemoryWeights, StaleWeightsError
+    from components.weight_sync.buckets import StaleWeightsError
+    from components.weight_sync.versions import InMemoryWeights
 
     sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, ignore_eos=True, seed=5)
     before = engine.generate(PROMPTS, sampled)
@@ -224,9 +225,10 @@ def test_a_stream_broken_midway_leaves_an_engine_that_loads_the_stored_copy_whol
     must generate exactly what transformers computes for the stored copy (no layer left half-loaded from the
     stream), and take a whole stream again afterwards."""
     from components.models import load_causal_lm
-    from components.weight_channel import StreamError
-    from components.weight_pull import RemoteWeights
-    from components.weights import BucketBuffers, InMemoryWeights, compute_tensors, pack_buckets
+    from components.weight_sync.buckets import BucketBuffers, compute_tensors, pack_buckets
+    from components.weight_sync.channel import StreamError
+    from components.weight_sync.receiver import RemoteWeights
+    from components.weight_sync.versions import InMemoryWeights
 
     class BreaksMidway(RemoteWeights):  # the actor's worker stops after `buckets` buckets
         def __init__(self, live, buckets: int):
@@ -409,27 +411,6 @@ def test_preloading_vllm_records_what_its_import_changes_and_leaves_the_environm
     assert preloaded["unchanged"]
     assert preloaded["recorded"] == plain
     assert preloaded["replayed"] == {key: value for key, value in plain.items() if value is not None}
-
-
-def test_direct_loading_only_where_layers_keep_their_tensors_as_loaded():
-    """Loading straight into the live tensors is right only where nothing repacks them after loading: vLLM's
-    unquantized linear and embedding methods on a GPU. A quantized method (any other) needs the layerwise
-    reload; so does a model on the CPU backend, whatever its methods."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-    from components.vllm_worker import direct_loading, kept_as_loaded
-
-    class Fp8LinearMethod:  # what a quantized checkpoint's layers carry (named as vLLM's)
-        pass
-
-    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    model[0].quant_method, model[1].quant_method = UnquantizedEmbeddingMethod(), UnquantizedLinearMethod()
-    assert kept_as_loaded(model)
-    assert not direct_loading(model)  # on the CPU
-    model[1].quant_method = Fp8LinearMethod()
-    assert not kept_as_loaded(model)
-
 
 
 @pytest.mark.parametrize("stop", ["close at once", "close midway", "Ctrl-C midway"])

@@ -1,4 +1,4 @@
-"""The actor's side of a weights stream in a process of its own, for tests/components/test_weight_stream.py:
+"""The actor's side of a weights stream in a process of its own, for tests/components/weight_sync/test_sender.py:
 
     python stream_sender.py MODEL CHANNEL_FILE SYNC VERSION HOLDS BUCKET_BYTES [DEVICE]
 
@@ -15,14 +15,14 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import torch  # noqa: E402
 
 from components import distributed  # noqa: E402
 from components.models import load_causal_lm  # noqa: E402
-from components.weight_stream import WeightSender  # noqa: E402
-from components.weights import compute_tensors  # noqa: E402
+from components.weight_sync.buckets import compute_tensors  # noqa: E402
+from components.weight_sync.sender import WeightSender  # noqa: E402
 
 
 def perturb(model: torch.nn.Module, seed: int = 7) -> torch.nn.Module:

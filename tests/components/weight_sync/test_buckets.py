@@ -1,16 +1,13 @@
-"""components.weights: the in-memory weight stream packs into bounded buckets and unpacks to the same
-tensors, gives tied tensors once, and a stored copy is byte for byte what the storage path writes."""
+"""components.weight_sync.buckets: the in-memory weight stream packs into bounded buckets and unpacks to the
+same tensors, gives tied tensors once, and a plan packs version after version what pack_buckets would."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-from components.rollout import HFRolloutEngine
-from components.weights import (BucketBuffers, InMemoryWeights, PackPlan, StaleWeightsError, compute_tensors, copy_files,
-                                pack_buckets, unpack_bucket, write_copy)
+from components.weight_sync.buckets import (BucketBuffers, PackPlan, StaleWeightsError, compute_tensors, pack_buckets,
+                                            unpack_bucket)
 
 
 class _Tied(torch.nn.Module):
@@ -128,54 +125,3 @@ def test_a_plan_fits_only_the_same_tensors_and_keeps_no_released_model_alive():
 def test_an_unknown_dtype_in_a_bucket_is_refused_by_name():
     with pytest.raises(ValueError, match="tensor 'x' has dtype 'complex64'"):
         unpack_bucket([("x", "complex64", [1], 0)], torch.zeros(8, dtype=torch.uint8))
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from components.tiny import build_tiny_model
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("model") / "tiny"))
-
-
-def test_a_stored_copy_is_byte_for_byte_the_storage_paths(tiny_path, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from components.precision import save_compute_copy
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_path)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.add_(0.01)
-    for dtype in (torch.bfloat16, torch.float32):
-        reference, ours = tmp_path / f"save_pretrained-{dtype}", tmp_path / f"ours-{dtype}"
-        reference.mkdir(), ours.mkdir()
-        save_compute_copy(model, str(reference), model.state_dict(), dtype)
-        write_copy(str(ours), copy_files(model, dtype),
-                   {name: tensor.cpu().clone() for name, tensor in compute_tensors(model, dtype, tied_once=False)})
-        assert sorted(os.listdir(ours)) == sorted(os.listdir(reference))
-        for name in os.listdir(reference):
-            assert (ours / name).read_bytes() == (reference / name).read_bytes(), (dtype, name)
-
-
-def test_the_hf_engine_takes_a_live_models_weights_and_refuses_withdrawn_ones(tiny_path):
-    from transformers import AutoModelForCausalLM
-
-    engine = HFRolloutEngine.from_pretrained(tiny_path, dtype="float32", device="cpu")
-    live = AutoModelForCausalLM.from_pretrained(tiny_path)
-    with torch.no_grad():
-        for parameter in live.parameters():
-            parameter.mul_(1.5)
-    published = InMemoryWeights(live, torch.float32, version=4)
-    engine.load_weights(published)
-    for name, tensor in live.state_dict().items():
-        assert torch.equal(engine.model.state_dict()[name], tensor), name
-    assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()
-    published.withdraw()
-    with pytest.raises(StaleWeightsError, match="policy version 4 is no longer in memory"):
-        engine.load_weights(published)
-    del live
-    released = InMemoryWeights(AutoModelForCausalLM.from_pretrained(tiny_path), torch.float32, version=5)
-    import gc
-
-    gc.collect()  # the role was dropped: what it published does not keep it alive
-    with pytest.raises(StaleWeightsError, match="version 5"):
-        released.tensors()

@@ -1,7 +1,8 @@
-"""components.weight_stream between two real processes on the CPU (gloo): a policy version reaches the
-rollout engine of another process bit for bit in several buckets; a sender holding another version says so;
-a receiver that fails midway is replaced and its replacement gets everything; a dead sender or an abort ends
-the other side's wait instead of hanging it; the store is polled at the pace a hand-over needs."""
+"""components.weight_sync.sender and .receiver, the two ends of a weights stream, between two real processes
+on the CPU (gloo): a policy version reaches the rollout engine of another process bit for bit in several
+buckets; a sender holding another version says so; a receiver that fails midway is replaced and its
+replacement gets everything; a dead sender or an abort ends the other side's wait instead of hanging it; the
+sender's thread polls the store at the pace a hand-over needs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,8 +19,10 @@ import pytest
 import torch
 
 from components.rollout import HFRolloutEngine
-from components.weight_channel import Channel, StreamError
-from components.weight_pull import RemoteWeights, WeightsUnavailable, abort
+from components.weight_sync import channel as weight_channel
+from components.weight_sync.channel import Channel, StreamError, connect, poll
+from components.weight_sync.receiver import RemoteWeights, WeightsUnavailable, abort
+from components.weight_sync.sender import _OPEN_SENDERS, WeightSender
 
 SENDER = Path(__file__).with_name("stream_sender.py")
 BUCKET_BYTES = 64 * 1024  # the tiny model is ~0.5 MB in float32: several buckets
@@ -92,8 +96,6 @@ def test_a_version_streams_from_another_process_into_the_engine_bit_for_bit(tmp_
 def test_a_pull_asked_ahead_is_answered_while_the_engine_is_busy_and_read_by_the_load(tmp_path, model_path):
     """`ask` (a sleeping vLLM engine posts its pull before it wakes): the sender answers without waiting for
     the load, and the load reads that answer; one pull in all."""
-    from components.weight_channel import connect, poll
-
     process, channel = _start_sender(tmp_path, model_path, "rollout-3-g")
     engine = _engine(model_path)
     remote = RemoteWeights(lambda: channel, sync="rollout-3-g", version=3, timeout_s=60)
@@ -212,43 +214,10 @@ def test_on_one_gpu_a_version_goes_over_cuda_ipc_between_processes(tmp_path, mod
     assert _metrics(process)["weights/streams"] == 1.0
 
 
-class _SetAfter:
-    """A store whose key is set after `checks` checks of it."""
-
-    def __init__(self, checks: int):
-        self.checks, self.after = 0, checks
-
-    def check(self, keys) -> bool:
-        self.checks += 1
-        return self.checks > self.after
-
-    def get(self, key) -> bytes:
-        return b"there"
-
-
-def test_poll_pauses_grow_to_the_cap_it_asks_for_before_every_pause(monkeypatch):
-    from components import weight_channel
-
-    pauses: list[float] = []
-    monkeypatch.setattr(weight_channel.time, "sleep", pauses.append)
-    assert weight_channel.poll(_SetAfter(12), "k", time.monotonic() + 60) == b"there"
-    assert pauses == pytest.approx([min(0.001 * 1.5 ** i, weight_channel.IDLE_POLL_S) for i in range(12)])
-    # the cap changes while it waits (a stage started waiting for a pull): the next pauses follow at once
-    pauses.clear()
-    caps = iter([weight_channel.IDLE_POLL_S] * 10 + [weight_channel.STREAM_POLL_S] * 5)
-    weight_channel.poll(_SetAfter(15), "k", time.monotonic() + 60, max_pause=lambda: next(caps))
-    assert pauses[9] > 0.03 and pauses[10:] == [weight_channel.STREAM_POLL_S] * 5
-
-
 def test_a_senders_thread_polls_at_the_stream_pace_while_a_pull_may_come(monkeypatch):
     """The thread's pauses grow to IDLE_POLL_S when nothing is expected, and shrink to STREAM_POLL_S while the
     send_weights stage waits (wait_done) or a version is published, so that a pull is answered within a few
     milliseconds."""
-    import threading
-
-    from components import weight_channel
-    from components.weight_stream import WeightSender
-
     real_sleep, pauses = time.sleep, []
 
     def sleep(seconds: float) -> None:
@@ -287,8 +256,6 @@ def test_a_senders_thread_polls_at_the_stream_pace_while_a_pull_may_come(monkeyp
 def test_a_closed_sender_stops_its_thread_before_it_lets_the_store_go():
     """A thread still in a call of the store when the process ended aborted it (exit code 134, after every test
     had passed); close, which also runs at exit, ends the thread first."""
-    from components.weight_stream import _OPEN_SENDERS, WeightSender
-
     sender = WeightSender()
     sender.open()
     sender.publish(1, torch.nn.Linear(2, 2), torch.float32, 2**20, 5.0)  # serving: polls at the stream pace
@@ -313,9 +280,6 @@ def _listening_addresses(port: int) -> list[str]:
 
 def test_the_channels_store_listens_on_its_address_only_and_a_bad_address_is_one_line(monkeypatch, capsys):
     """TCPStore's own server listens on every interface; the channel's listens where the channel file says."""
-    from components import weight_channel
-    from components.weight_stream import WeightSender
-
     monkeypatch.setenv("RLHF_WEIGHTS_ADDRESS", "127.0.0.1")
     sender = WeightSender()
     try:

@@ -1,4 +1,4 @@
-"""components.weight_channel's trace (RLHF_WEIGHTS_TRACE=1): what it adds to find a stalled hand-over, the
+"""components.weight_sync.trace (RLHF_WEIGHTS_TRACE=1): what it adds to find a stalled hand-over, the
 process's long garbage collections and what its other threads were doing."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import gc
 import threading
 import time
 
-from components import weight_channel
-from components.weight_channel import busy_threads, trace
+from components.weight_sync import trace as weight_trace
+from components.weight_sync.trace import busy_threads, trace
 
 
 def test_a_traced_process_reports_its_long_collections(monkeypatch, capfd):
-    monkeypatch.setenv(weight_channel.TRACE_ENV, "1")
-    monkeypatch.setattr(weight_channel, "GC_TRACE_MS", 0.0)  # every collection is "long"
+    monkeypatch.setenv(weight_trace.TRACE_ENV, "1")
+    monkeypatch.setattr(weight_trace, "GC_TRACE_MS", 0.0)  # every collection is "long"
     trace("first")  # the first traced event starts timing collections
     try:
         garbage = [[] for _ in range(1000)]
@@ -28,15 +28,15 @@ def test_a_traced_process_reports_its_long_collections(monkeypatch, capfd):
         assert int(collections[-1].split("collected=")[1].split()[0]) >= 1000
         assert collections[-1].split("thread=")[1] == "MainThread"
     finally:
-        gc.callbacks.remove(weight_channel._time_collection)
-        weight_channel._GC_TIMED.clear()
+        gc.callbacks.remove(weight_trace._time_collection)
+        weight_trace._GC_TIMED.clear()
 
 
 def test_untraced_no_collection_is_timed(monkeypatch, capfd):
-    monkeypatch.delenv(weight_channel.TRACE_ENV, raising=False)
+    monkeypatch.delenv(weight_trace.TRACE_ENV, raising=False)
     trace("nothing")
     gc.collect()
-    assert weight_channel._time_collection not in gc.callbacks and capfd.readouterr().err == ""
+    assert weight_trace._time_collection not in gc.callbacks and capfd.readouterr().err == ""
 
 
 def spin_here(stop: list) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file as safetensors_file
 
-from components.weights import InMemoryWeights
+from components.weight_sync.versions import InMemoryWeights
 from flows.config import build_config
 from flows.runtime.transport import MemoryTransport, StorageTransport, StreamTransport, transport_for, weight_sync_mode
 from storage import RunLayout, StorageFileError
