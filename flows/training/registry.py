@@ -52,7 +52,7 @@ class StageSpec:
 
 
 STAGES: dict[str, StageSpec] = {}
-"""Stage name -> its declaration, in the order of definition (flows/training/stages.py fills it)."""
+"""Stage name -> its declaration, in the order of definition (importing flows/training/stages.py fills it)."""
 
 
 def stage(*, role: str, output: str | None = None, skippable: bool = False, per_sample: bool = True,

@@ -1,20 +1,17 @@
 """Stage functions: one per box of the stage graph, each declared once with `@stage` (its role, its
-output, whether resume may skip it; flows/training/registry.py).
+output, whether resume may skip it; flows/training/registry.py). The per-step stages of the algorithm are
+here; the warm-start (flows/training/warm_start.py) and validation (flows/training/validation.py) have
+modules of their own, imported here: importing this module fills the registry with every stage.
 
 A stage takes the run's `Config` (and a step number for the per-step ones), reads its inputs and hands
-on its output through the run's transport (flows/runtime/transport.py: files of the run folder today),
+on its output through the run's transport (flows/training/stage_io.py: files of the run folder today),
 and returns a small `StageResult` (where the output is and scalar metrics). No tensors or tables cross
 a stage boundary; models come from `flows.training.roles`, resident in whichever process runs the stage.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
-import time
-from contextlib import contextmanager
-from typing import Iterator, TypedDict
 
 import torch
 
@@ -28,35 +25,23 @@ from components.algorithms import (
 )
 from components.batch import SequenceBatch, build_sequence_batch
 from components.data import PromptSampler
-from components.distributed import is_writer
 from components.models import resolve_dtype
-from components.models import load_causal_lm
-from components.precision import Precision, prepare_trained_model
-from components.rewards import RewardFunctionError, score_responses
-from components.rollout import HFRolloutEngine, SamplingParams
-from components.sft import warm_start as fine_tune
+from components.rewards import RewardFunctionError
+from components.rollout import SamplingParams
 from flows.config import Config, layout_for
 from flows.runtime.checkpoints import part_path, save_role_part
-from flows.runtime.console import long_work, progress
-from flows.runtime.tasks import inject_failure
 from flows.runtime.transport import transport_for
 from flows.training.registry import STAGES, stage
-from flows.training.roles import get_role, initial_policy_path, trained_role
-from storage import COMMITTED_MARKER, atomic_directory, padded_tensor, unpad_arrow
+from flows.training.roles import get_role, trained_role
+from flows.training.stage_io import (StageResult, read_batch, score_batch, sync_rollout_weights, timed,
+                                     write_batch)
+from flows.training.validation import as_validations, validate
+from flows.training.warm_start import warm_start
+from storage import padded_tensor, unpad_arrow
 
-__all__ = ["STAGES"]  # importing this module fills the registry
-
-
-class StageResult(TypedDict):
-    path: str
-    metrics: dict[str, float]
-
-
-@contextmanager
-def timed(metrics: dict[str, float], name: str) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    metrics[f"timing_s/{name}"] = time.perf_counter() - start
+__all__ = ["STAGES", "validate", "warm_start"]
+"""Importing this module fills the registry (STAGES); the stages of the modules beside it are importable from
+here with the others (flows/training/train.py takes every stage from this module)."""
 
 
 def _stats(prefix: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
@@ -65,16 +50,6 @@ def _stats(prefix: str, values: torch.Tensor, mask: torch.Tensor | None = None) 
         return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
     return {f"{prefix}/mean": float(selected.float().mean()), f"{prefix}/max": float(selected.max()),
             f"{prefix}/min": float(selected.min())}
-
-
-def _read(config: Config, step: int, stage: str, rollout=None):
-    """A stage's output for `step`, aligned to the rollout's samples when `rollout` is given."""
-    expected = None if rollout is None else rollout.column("uid").to_pylist()
-    return transport_for(config).read_batch(step, stage, expected_uids=expected)
-
-
-def _write(config: Config, step: int, stage: str, columns) -> str:
-    return transport_for(config).write_batch(step, stage, columns)
 
 
 def _rollout_batch(config: Config, rollout) -> SequenceBatch:
@@ -97,12 +72,6 @@ def check_finite(stage: str, step: int, name: str, values: torch.Tensor, uids: l
 def _per_token(table, column: str, length: int) -> torch.Tensor:
     values, _ = padded_tensor(table.column(column), 0.0, torch.float32, side="right", length=length)
     return values
-
-
-def sync_rollout_weights(config: Config, step: int, sync: str | None = None) -> dict[str, float]:
-    """Give the rollout engine the actor's weights published for `step`, if it holds older ones (`sync`: the
-    hand-over the driver arranged with the actor's worker, when weights are streamed between workers)."""
-    return transport_for(config).sync_weights(get_role(config, "rollout"), step, sync)
 
 
 @stage(role="rollout", output="rollout", skippable=True)
@@ -139,7 +108,7 @@ def rollout(config: Config, step: int, weights_step: int | None = None, sync: st
         "extra_info": [prompts[g.prompt_index].extra_info for g in generations],
         "finish_reason": [g.finish_reason for g in generations],
     }
-    path = _write(config, step, "rollout", columns)
+    path = write_batch(config, step, "rollout", columns)
     lengths = torch.tensor([len(g.response_ids) for g in generations], dtype=torch.float32)
     metrics.update(_stats("response_length", lengths))
     metrics["response_length/clip_ratio"] = sum(g.finish_reason == "length" for g in generations) / len(generations)
@@ -152,44 +121,33 @@ def rollout(config: Config, step: int, weights_step: int | None = None, sync: st
     return {"path": path, "metrics": metrics}
 
 
-def _score(config: Config, prompt_ids, response_texts, ground_truths, data_sources, extra_infos) -> list[float]:
-    """Scores of one batch. A reward model reads the prompt as the policy saw it (decoded with the chat
-    template's special tokens, in training and validation alike); a function gets each row's fields."""
-    scorer = get_role(config, "reward")
-    if config.reward.kind == "model":
-        prompt_texts = get_role(config, "tokenizer").batch_decode(list(prompt_ids), skip_special_tokens=False)
-        return scorer.score(prompt_texts, list(response_texts))
-    return score_responses(scorer, response_texts, ground_truths, data_sources,
-                           [json.loads(info) for info in extra_infos])
-
-
 @stage(role="reward", output="reward", skippable=True)
 def reward(config: Config, step: int) -> StageResult:
     """Sequence-level scores of the step's responses (rule function or reward model); a reward function that
     raises or returns no number stops the step with one line naming the function, the stage, the step and the
     sample (its uid in the rollout)."""
-    rollout_table = _read(config, step, "rollout")
+    rollout_table = read_batch(config, step, "rollout")
     uids = rollout_table.column("uid").to_pylist()
     metrics: dict[str, float] = {}
     with timed(metrics, "reward"):
         fields = ("prompt_ids", "response_text", "ground_truth", "data_source", "extra_info")
         try:
-            scores = _score(config, *(rollout_table.column(name).to_pylist() for name in fields))
+            scores = score_batch(config, *(rollout_table.column(name).to_pylist() for name in fields))
         except RewardFunctionError as error:
             sample = f" (sample {uids[error.index]!r})" if error.index is not None else ""
             raise RewardFunctionError(f"stage reward at step {step}{sample}: {error}", error.index) from error
-        path = _write(config, step, "reward", {"uid": uids, "score": scores})
+        path = write_batch(config, step, "reward", {"uid": uids, "score": scores})
     metrics.update(_stats("critic/score", torch.tensor(scores)))
     return {"path": path, "metrics": metrics}
 
 
 def _per_token_stage(config: Config, step: int, stage: str, column: str, timing: str, compute) -> StageResult:
-    rollout_table = _read(config, step, "rollout")
+    rollout_table = read_batch(config, step, "rollout")
     batch = _rollout_batch(config, rollout_table)
     metrics: dict[str, float] = {}
     with timed(metrics, timing):
         values = compute(batch)
-        path = _write(config, step, stage, {"uid": rollout_table.column("uid").to_pylist(),
+        path = write_batch(config, step, stage, {"uid": rollout_table.column("uid").to_pylist(),
                                             column: unpad_arrow(values, batch.response_mask)})
     return {"path": path, "metrics": metrics, "values": values, "batch": batch, "rollout": rollout_table}
 
@@ -238,10 +196,10 @@ def advantages(config: Config, step: int, kl_coef: float) -> StageResult:
     """Token rewards (score at the last token, minus the KL penalty if configured) and advantages."""
     metrics: dict[str, float] = {}
     with timed(metrics, "adv"):
-        rollout_table = _read(config, step, "rollout")
+        rollout_table = read_batch(config, step, "rollout")
         batch = _rollout_batch(config, rollout_table)
         mask, length = batch.response_mask, batch.response_length
-        scores = torch.tensor(_read(config, step, "reward", rollout_table).column("score").to_pylist())
+        scores = torch.tensor(read_batch(config, step, "reward", rollout_table).column("score").to_pylist())
         group_ids = rollout_table.column("group_id").to_pylist()
         if (equal := equal_group_fraction(scores.tolist(), group_ids)) is not None:  # None: groups of one sample
             metrics["critic/score/equal_group_frac"] = equal
@@ -249,11 +207,11 @@ def advantages(config: Config, step: int, kl_coef: float) -> StageResult:
         if config.algorithm.use_kl_in_reward:
             token_rewards, kl_metrics = apply_kl_penalty(
                 token_level_scores=token_rewards,
-                logprobs=_per_token(_read(config, step, "old_logprobs", rollout_table), "old_logprobs", length),
-                ref_logprobs=_per_token(_read(config, step, "reference", rollout_table), "ref_logprobs", length),
+                logprobs=_per_token(read_batch(config, step, "old_logprobs", rollout_table), "old_logprobs", length),
+                ref_logprobs=_per_token(read_batch(config, step, "reference", rollout_table), "ref_logprobs", length),
                 response_mask=mask, kl_coef=kl_coef, estimator=config.algorithm.kl_penalty)
             metrics.update(kl_metrics)
-        critic_values = (_per_token(_read(config, step, "values", rollout_table), "values", length)
+        critic_values = (_per_token(read_batch(config, step, "values", rollout_table), "values", length)
                          if config.uses_critic else None)
         uids = rollout_table.column("uid").to_pylist()
         check_finite("advantages", step, "the reward", token_rewards * mask, uids)
@@ -264,7 +222,7 @@ def advantages(config: Config, step: int, kl_coef: float) -> StageResult:
                                        group_ids=group_ids,
                                        gamma=config.algorithm.gamma, lam=config.algorithm.lam)
         check_finite("advantages", step, "the advantage", advantage, uids)
-        path = _write(config, step, "advantages", {
+        path = write_batch(config, step, "advantages", {
             "uid": uids, "token_rewards": unpad_arrow(token_rewards, mask),
             "advantages": unpad_arrow(advantage, mask), "returns": unpad_arrow(returns, mask)})
     metrics.update(_stats("critic/rewards", token_rewards.sum(-1)))
@@ -276,10 +234,10 @@ def advantages(config: Config, step: int, kl_coef: float) -> StageResult:
 @stage(role="actor", output="weights/actor")
 def update_actor(config: Config, step: int) -> StageResult:
     """PPO update of the policy, then publish its weights for the rollout of step+1."""
-    rollout_table = _read(config, step, "rollout")
+    rollout_table = read_batch(config, step, "rollout")
     batch = _rollout_batch(config, rollout_table)
     length = batch.response_length
-    ref_logprobs = (_per_token(_read(config, step, "reference", rollout_table), "ref_logprobs", length)
+    ref_logprobs = (_per_token(read_batch(config, step, "reference", rollout_table), "ref_logprobs", length)
                     if config.actor.use_kl_loss else None)
     actor = trained_role(config, "actor", step, "update_actor")
     transport = transport_for(config)
@@ -290,8 +248,8 @@ def update_actor(config: Config, step: int) -> StageResult:
     with timed(metrics, "update_actor"):
         metrics.update(actor.update(
             batch, old_logprobs=None if on_policy else
-            _per_token(_read(config, step, "old_logprobs", rollout_table), "old_logprobs", length),
-            advantages=_per_token(_read(config, step, "advantages", rollout_table), "advantages", length),
+            _per_token(read_batch(config, step, "old_logprobs", rollout_table), "old_logprobs", length),
+            advantages=_per_token(read_batch(config, step, "advantages", rollout_table), "advantages", length),
             ref_logprobs=ref_logprobs,
             rollout_logprobs=_per_token(rollout_table, "rollout_logprobs", length) if on_policy else None))
     if on_policy and not math.isfinite(metrics.get("rollout/logprob_diff_mean", 0.0)):
@@ -319,13 +277,13 @@ def send_weights(config: Config, step: int, sync: str, for_stage: str, for_step:
     fs = layout_for(config).fs
     metrics = transport_for(config).send_weights(actor.model, step, resolve_dtype(config.model.compute_dtype), sync,
                                                  holds=actor.state_step == step, finished=lambda: fs.exists(output))
-    return {"metrics": _as_validations(metrics) if for_stage == "validate" else metrics}
+    return {"metrics": as_validations(metrics) if for_stage == "validate" else metrics}
 
 
 @stage(role="critic")
 def update_critic(config: Config, step: int) -> StageResult:
     """Clipped value regression of the critic on this step's returns."""
-    rollout_table = _read(config, step, "rollout")
+    rollout_table = read_batch(config, step, "rollout")
     batch = _rollout_batch(config, rollout_table)
     length = batch.response_length
     metrics: dict[str, float] = {}
@@ -333,143 +291,10 @@ def update_critic(config: Config, step: int) -> StageResult:
     critic.state_step = None  # until this update is done
     with timed(metrics, "update_critic"):
         metrics.update(critic.update(
-            batch, old_values=_per_token(_read(config, step, "values", rollout_table), "values", length),
-            returns=_per_token(_read(config, step, "advantages", rollout_table), "returns", length)))
+            batch, old_values=_per_token(read_batch(config, step, "values", rollout_table), "values", length),
+            returns=_per_token(read_batch(config, step, "advantages", rollout_table), "returns", length)))
     critic.state_step = step + 1
     return {"path": layout_for(config).stage_path(step, "advantages"), "metrics": metrics}
-
-
-VALIDATION_QUIET_S = 10.0
-"""A validation that ends sooner prints no progress line (the step's line shows its reward)."""
-
-
-def evaluate(config: Config, engine, records) -> tuple[dict, dict[str, float]]:
-    """Generate once per validation prompt (val_temperature) and score; return columns and metrics. One that
-    takes over VALIDATION_QUIET_S says so on the terminal, every 20 s, and its reward at the end (the engines
-    generate all prompts in one call, so the lines count seconds, not prompts)."""
-    records = records[: config.data.max_val_prompts] if config.data.max_val_prompts else records
-    params = SamplingParams(n=1, temperature=config.rollout.val_temperature, top_p=config.rollout.top_p,
-                            max_new_tokens=config.rollout.max_new_tokens, stop=tuple(config.rollout.stop),
-                            seed=config.trainer.seed)
-    what = f"validation: generating and scoring {len(records)} prompts"
-    with long_work(what, f"{what}: {{seconds:.0f}} s so far", "", announce_after_s=VALIDATION_QUIET_S) as work:
-        generations = engine.generate([r.prompt_ids for r in records], params)
-        texts = [g.text for g in generations]
-        scores = _score(config, [r.prompt_ids for r in records], texts, [r.ground_truth for r in records],
-                        [r.data_source for r in records], [r.extra_info for r in records])
-        work.done = f"validation: reward {sum(scores) / len(scores):.3f} on {len(records)} prompts in {{seconds:.1f}} s"
-    columns = {"uid": [f"val-{r.index}" for r in records], "prompt_text": [r.prompt_text for r in records],
-               "response_text": texts, "ground_truth": [r.ground_truth for r in records],
-               "data_source": [r.data_source for r in records], "extra_info": [r.extra_info for r in records],
-               "score": scores}
-    metrics = {"val/reward/mean": sum(scores) / len(scores)}
-    for source in sorted(set(columns["data_source"])):
-        chosen = [s for s, d in zip(scores, columns["data_source"]) if d == source]
-        # verl's name is .../mean@1; MLflow forbids '@' in metric names.
-        metrics[f"val-core/{re.sub(r'[^A-Za-z0-9_./ -]', '_', source)}/reward/mean_at_1"] = sum(chosen) / len(chosen)
-    return columns, metrics
-
-
-def _as_validations(metrics: dict[str, float]) -> dict[str, float]:
-    """A validation's weight hand-over metrics, named apart from the step's rollout's (val-aux/, verl's prefix
-    for validation's auxiliary metrics), on both sides of the hand-over."""
-    return {f"val-aux/{name}": value for name, value in metrics.items()}
-
-
-@stage(role="rollout", output="validation", skippable=True, per_sample=False)
-def validate(config: Config, step: int, sync: str | None = None) -> StageResult:
-    """Validation reward of the policy as it is at the start of `step`. Its hand-over of the weights is named
-    under val-aux/ (a step's timing_s/weight_sync is its rollout's) and counted in timing_s/testing."""
-    metrics: dict[str, float] = {}
-    with timed(metrics, "testing"):
-        metrics |= _as_validations(sync_rollout_weights(config, step, sync))
-        records = get_role(config, "val_prompts")
-        try:
-            columns, val_metrics = evaluate(config, get_role(config, "rollout"), records)
-        except RewardFunctionError as error:
-            sample = f" (sample 'val-{records[error.index].index}')" if error.index is not None else ""
-            raise RewardFunctionError(f"stage validate at step {step}{sample}: {error}", error.index) from error
-        path = _write(config, step, "validation", columns)
-    return {"path": path, "metrics": metrics | val_metrics}
-
-
-WARM_START_STATE = "warm_start_state.pt"
-
-
-def _warm_start_checkpoint(config: Config) -> str:
-    """Where the warm-start keeps its latest state (one, replaced each time; inside the run folder)."""
-    return f"{layout_for(config).run_dir}/warm_start/checkpoint"
-
-
-def _warm_start_resume_point(config: Config) -> tuple[str, dict | None]:
-    """(the folder the warm-start's model loads from, the state it continues with): its checkpoint when a
-    stopped attempt left one, else model.path and None."""
-    layout, folder = layout_for(config), _warm_start_checkpoint(config)
-    if not layout.fs.exists(f"{folder}/{COMMITTED_MARKER}"):
-        return config.model.path, None
-    # weights_only: tensors and plain containers only, so a planted file cannot run code
-    return folder, torch.load(f"{folder}/{WARM_START_STATE}", map_location="cpu", weights_only=True)
-
-
-@stage(role="actor", output="weights/actor", skippable=True, all_ranks=False)
-def warm_start(config: Config) -> StageResult:
-    """Supervised warm-start from model.path; publishes the result as the step-0 policy. Every
-    warm_start.checkpoint_every of its steps it saves its state, and a rerun (a resumed run) continues
-    from there."""
-    # A trained role: fp32 masters computing in the compute dtype (components.precision); not sharded: each
-    # rank of a sharded actor's worker runs the whole warm-start and rank 0 writes it.
-    precision = Precision.of(config.model.compute_dtype, config.model.master_dtype)
-    source, resume = _warm_start_resume_point(config)
-    model = load_causal_lm(source, dtype=precision.master, compute_dtype=precision.compute,
-                           device=config.trainer.device, attn_implementation=config.model.attn_implementation,
-                           trust_remote_code=config.model.trust_remote_code)
-    prepare_trained_model(model, precision, config.model.gradient_checkpointing, shard=False)
-    tokenizer = get_role(config, "tokenizer")
-    engine = HFRolloutEngine(model, tokenizer)
-    if resume is None:
-        _, before = evaluate(config, engine, get_role(config, "val_prompts"))
-        before_reward = before["val/reward/mean"]
-    else:
-        before_reward = float(resume["val_reward_before"])
-    records = get_role(config, "train_prompts")
-    metrics: dict[str, float] = {"warm_start/val_reward_before": before_reward}
-    steps, started = config.warm_start.steps, time.perf_counter()
-    if resume is None:
-        progress(f"warm-start: {steps} supervised steps of {config.warm_start.batch_size} prompts "
-                 f"(validation reward before: {before_reward:.3f})")
-    else:
-        progress(f"warm-start: continuing at step {len(resume['losses'])}/{steps} from its checkpoint")
-    layout = layout_for(config)
-
-    def report(done: int, loss: float) -> None:
-        if done == steps or done % max(1, steps // 10) == 0:
-            progress(f"warm-start step {done}/{steps}: loss {loss:.4f} ({time.perf_counter() - started:.0f} s)")
-
-    def save(done: int, state: dict) -> None:
-        if not is_writer():
-            return
-        with atomic_directory(layout.fs, _warm_start_checkpoint(config)) as local:
-            model.save_pretrained(local)
-            torch.save({**state, "val_reward_before": before_reward}, f"{local}/{WARM_START_STATE}")
-        progress(f"warm-start checkpoint at step {done}/{steps}")
-        inject_failure("warm_start_checkpoint", done)  # recovery drills: a stop right after a warm-start checkpoint
-
-    with timed(metrics, "warm_start"):
-        losses = fine_tune(model, tokenizer, [r.prompt_ids for r in records], [r.target_text for r in records],
-                           steps=steps, batch_size=config.warm_start.batch_size, lr=config.warm_start.lr,
-                           seed=config.trainer.seed, on_step=report, resume=resume,
-                           checkpoint_every=config.warm_start.checkpoint_every, on_checkpoint=save)
-    metrics["warm_start/loss_first"], metrics["warm_start/loss_last"] = losses[0], losses[-1]
-    path = initial_policy_path(config)
-    if is_writer():
-        # In the master dtype: the actor starts from exactly these weights (the rollout and the reference
-        # load them cast to the compute dtype).
-        with atomic_directory(layout.fs, path) as local:
-            model.save_pretrained(local)
-            tokenizer.save_pretrained(local)
-        if layout.fs.exists(_warm_start_checkpoint(config)):  # done: its checkpoint is not needed any more
-            layout.fs.rm(f"{layout.run_dir}/warm_start", recursive=True)
-    return {"path": path, "metrics": metrics}
 
 
 def _prepare(config: Config, role: str) -> StageResult:
@@ -506,8 +331,8 @@ def prepare_reward(config: Config) -> StageResult:
 
 def sample_rows(config: Config, step: int, limit: int = 16) -> dict[str, list]:
     """A few of the step's generations with their scores, for the MLflow samples table."""
-    rollout_table = _read(config, step, "rollout").slice(0, limit)
-    scores = _read(config, step, "reward").slice(0, limit).column("score").to_pylist()
+    rollout_table = read_batch(config, step, "rollout").slice(0, limit)
+    scores = read_batch(config, step, "reward").slice(0, limit).column("score").to_pylist()
     tokenizer = get_role(config, "tokenizer")
     return {"uid": rollout_table.column("uid").to_pylist(),
             "prompt": tokenizer.batch_decode(rollout_table.column("prompt_ids").to_pylist(), skip_special_tokens=True),

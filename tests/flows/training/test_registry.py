@@ -30,7 +30,7 @@ def test_every_stage_runs_in_a_worker_role_or_the_driver():
 
 
 def test_the_rollout_worker_serves_generation_and_validation():
-    assert [spec.name for spec in role_stages("rollout")] == ["rollout", "validate"]
+    assert {spec.name for spec in role_stages("rollout")} == {"rollout", "validate"}  # served in any order
     assert {spec.name for spec in role_stages("driver")} == {"advantages"}
     assert role_stages("nobody") == []
 
