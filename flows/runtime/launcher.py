@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Iterator
 
 from prefect.logging.handlers import APILogWorker
-from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_LOCAL_STORAGE_PATH, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
+from prefect.settings import (PREFECT_API_URL, PREFECT_HOME, PREFECT_LOCAL_STORAGE_PATH, PREFECT_SERVER_ANALYTICS_ENABLED,
+                              PREFECT_UI_URL, temporary_settings)
+from prefect.utilities.urls import url_for
 
 from flows.runtime.supervision import PARENT_PID_ENV, tied_to_this_process
 from flows.runtime.worker import HEARTBEAT_INTERVAL_S, RESULTS_SUBDIR, free_port, read_heartbeats
@@ -28,6 +30,9 @@ from flows.runtime.worker import HEARTBEAT_INTERVAL_S, RESULTS_SUBDIR, free_port
 DEFAULT_PREFECT_HOME = Path(".rlhf/prefect")
 EMBEDDED_SERVERS: dict[str, subprocess.Popen] = {}
 """API URL -> the server process prefect_server started for it (flows.runtime.supervision.ServerWatch)."""
+EMBEDDED_UI_URL = "http://127.0.0.1:4200"
+"""Where an embedded server's runs can be opened: the UI `prefect server start` serves with the same PREFECT_HOME
+(its default port). The embedded server's own port is random and gone once the run ends."""
 
 
 def server_environment(prefect_home: Path) -> dict[str, str]:
@@ -97,8 +102,11 @@ def stop_process_groups(processes: list[subprocess.Popen], grace_s: float) -> No
 @contextlib.contextmanager
 def using_prefect_api(api_url: str, prefect_home: Path = DEFAULT_PREFECT_HOME,
                       local_storage_path: str | None = None) -> Iterator[None]:
-    """Point this process's Prefect client at `api_url` (settings are read once at import)."""
+    """Point this process's Prefect client at `api_url` (settings are read once at import). Links to the runs of an
+    embedded server (Prefect's `View at` line, the MLflow tag prefect.flow_run_url) point at EMBEDDED_UI_URL."""
     updates = {PREFECT_API_URL: api_url, PREFECT_SERVER_ANALYTICS_ENABLED: False}
+    if api_url in EMBEDDED_SERVERS:
+        updates[PREFECT_UI_URL] = EMBEDDED_UI_URL
     if local_storage_path:
         updates[PREFECT_LOCAL_STORAGE_PATH] = local_storage_path
     if not os.environ.get("PREFECT_HOME"):
@@ -109,6 +117,15 @@ def using_prefect_api(api_url: str, prefect_home: Path = DEFAULT_PREFECT_HOME,
             yield
         finally:
             _drain_logs()
+
+
+def flow_run_page(flow_run_id: str) -> str | None:
+    """The flow run's page a user can open, the one its MLflow run's prefect.flow_run_url tag holds: with no
+    PREFECT_API_URL set (the embedded server's run) under EMBEDDED_UI_URL, else on PREFECT_API_URL's server's UI;
+    None when no UI is known."""
+    if not os.environ.get("PREFECT_API_URL"):
+        return f"{EMBEDDED_UI_URL}/runs/flow-run/{flow_run_id}"
+    return url_for("flow-run", obj_id=str(flow_run_id)) or None
 
 
 def _drain_logs() -> None:

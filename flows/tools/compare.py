@@ -34,9 +34,11 @@ DEFAULT_METRICS: tuple[str, ...] = (
     "actor/update_rms_ratio", "critic/update_rms_ratio",
 )
 # Which value is "best", by the first fragment of the metric key that matches (kl before reward, so
-# that actor/reward_kl_penalty counts as a KL). Metrics matching none (length, entropy) have no best.
-BEST_RULES: tuple[tuple[str, str], ...] = (
-    ("kl", "min"), ("loss", "min"), ("timing", "min"),
+# that actor/reward_kl_penalty counts as a KL). Metrics matching none (length, entropy) have no best, nor has a KL:
+# it measures how far the policy moved (actor/ppo_kl is signed), which is no objective (its smallest value would be
+# the step that learned least).
+BEST_RULES: tuple[tuple[str, str | None], ...] = (
+    ("kl", None), ("loss", "min"), ("timing", "min"),
     ("score", "max"), ("reward", "max"), ("throughput", "max"), ("acc", "max"),
 )
 # Line styles within a subplot; the color tells the run apart.
@@ -345,7 +347,8 @@ def format_table(result: CompareResult, width: int | None = None) -> str:
         lines += _render("param", labels, rows, width)
     else:
         lines.append("params: the same in every run" if len(labels) > 1 else "params: one run, nothing to compare")
-    lines += ["", "metrics: final / best@step (best: max for score/reward/throughput, min for kl/loss/timing)"]
+    lines += ["", "metrics: final / best@step (best: max for score/reward/throughput, min for loss/timing; none for "
+                  "KL, which is no objective)"]
     rows = [[metric, *(_metric_cell(per_run.get(label)) for label in labels)]
             for metric, per_run in result.metric_summary.items()]
     lines += _render("metric", labels, rows, width) if rows else ["(no metrics logged)"]

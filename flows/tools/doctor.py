@@ -2,8 +2,10 @@
 
 It lists the GPUs this process may use (CUDA_VISIBLE_DEVICES applied), their memory and the other
 processes on them, the interconnect, the distributed environment, package versions, and checks that
-the Prefect API, the MLflow tracking store and the storage root answer. Given a config it validates
-the placement (`components.placement`) with memory estimates counted from the model's config; with --data it
+the Prefect API, the MLflow tracking store and the storage root answer. Given a config it runs the run's own
+preflight (flows/tools/doctor_inputs.py: device, model folders, data, model.from_run: the lines `rlhf train` would
+refuse with) and validates the placement (`components.placement`) with memory estimates counted from the model's
+config; with --data it
 scores the starting policy's greedy answers to a few validation prompts (flows/tools/doctor_data.py).
 """
 
@@ -32,6 +34,7 @@ from components.devices import Inventory, inventory_from_system
 from components.placement import DTYPE_BYTES, GIB, describe_memory_basis, describe_visible
 from flows.config import load_config
 from flows.tools.doctor_data import DEFAULT_PROMPTS, data_report, format_data, skipped_data_report
+from flows.tools.doctor_inputs import format_inputs, inputs_report
 from flows.tools.doctor_run import checkpoint_report, rollout_engine_report, weight_sync_report
 from flows.training.plan import parameter_counts, placement_verdict
 
@@ -263,6 +266,7 @@ def collect_report(config=None, env: Mapping[str, str] | None = None, data_promp
                       else _check("skip", "no config given: `rlhf doctor CONFIG` validates its placement")),
     }
     if config is not None:
+        report["inputs"] = inputs_report(config)
         report["rollout"] = rollout_engine_report(config, report["placement"], bool(inventory.gpus))
         report["weight_sync"] = weight_sync_report(config, report["rollout"]["engine"], report["rollout"]["detail"],
                                                    report["placement"].get("assignments") or {})
@@ -274,10 +278,10 @@ def collect_report(config=None, env: Mapping[str, str] | None = None, data_promp
 
 
 def report_failed(report: dict) -> bool:
-    """True when something would fail: placement errors, storage or tracking unusable, Prefect down, the model
-    or data of --data unusable."""
+    """True when something would fail: placement errors, storage or tracking unusable, Prefect down, the run's
+    inputs refused (device, model, data), the model or data of --data unusable."""
     return any(report[name]["status"] == "fail" for name in ("prefect", "tracking", "storage", "placement")) or \
-        any(report.get(name, {}).get("status") == "fail" for name in ("rollout", "data"))
+        any(report.get(name, {}).get("status") == "fail" for name in ("inputs", "rollout", "data"))
 
 
 def _format_gpus(report: dict) -> list[str]:
@@ -329,14 +333,15 @@ def format_report(report: dict) -> str:
     lines += ["", "Services"]
     for key, label in (("prefect", "Prefect API"), ("tracking", "MLflow"), ("storage", "storage root")):
         lines.append(f"  {MARKERS[report[key]['status']]}  {label:<13} {report[key]['detail']}")
-    lines += [""] + _format_placement(report["placement"])
+    lines += [""] + (format_inputs(report["inputs"], MARKERS) + [""] if "inputs" in report else [])
+    lines += _format_placement(report["placement"])
     if "rollout" in report:
         rollout = report["rollout"]
         lines.append(f"  {MARKERS[rollout.get('status', 'ok')]}  rollout engine {rollout['engine']}: {rollout['detail']}")
         lines.append(f"  {MARKERS['ok']}  weight sync {report['weight_sync']['mode']}: {report['weight_sync']['detail']}")
         lines.append(f"  {MARKERS['ok']}  checkpoints {report['checkpoints']['detail']}")
     lines += [""] + (format_data(report["data"], MARKERS) + [""] if "data" in report else [])
-    failures = [key for key in ("prefect", "tracking", "storage", "placement", "data")
+    failures = [key for key in ("prefect", "tracking", "storage", "inputs", "placement", "rollout", "data")
                 if report.get(key, {}).get("status") == "fail"]
     lines.append(f"FAIL: {', '.join(failures)} (see the FAIL lines)" if failures else "ok: nothing would fail")
     return "\n".join(lines)
@@ -371,7 +376,8 @@ def add_doctor_parser(subcommands) -> argparse.ArgumentParser:
     parser = subcommands.add_parser(
         "doctor", help="check GPUs, placement, services and storage before a run",
         description="List the GPUs this process may use (CUDA_VISIBLE_DEVICES applied), versions, and whether "
-                    "the Prefect API, MLflow and the storage root answer; with a config, validate its placement.\n"
+                    "the Prefect API, MLflow and the storage root answer; with a config, check what the run reads "
+                    "as `rlhf train` would (device, model folders, data, model.from_run) and validate its placement.\n"
                     "Exits 1 when something would fail.\n\n"
                     "--data also loads the model and scores its greedy answers to a few validation prompts with "
                     "the run's reward: the reward RL starts at, and a warning when it is 0 (or 1) on every prompt.\n\n"

@@ -4,13 +4,18 @@
 
 `prefect deployment run` hands the parameters to a worker unchecked: a typo surfaces minutes later, in
 the worker's flow run. `submit` resolves the run's config exactly as the flow will (the deployment's
-config_file and deployment_overrides from prefect.yaml, then these overrides; flows.training.train.resolve_config)
-and refuses a bad one with the CLI's one line, before anything reaches the server. A good one becomes a
-flow run of `rlhf-train/<DEPLOYMENT>` with `overrides` set, for a worker of its pool to pick up.
+config_file and deployment_overrides from prefect.yaml, then these overrides; flows.training.train.resolve_config),
+then checks what the worker will read as the worker will resolve it (flows/training/preflight.py, in the
+deployment's working directory: the folder of prefect.yaml, where its pull step runs the flow): model folders,
+data files and globs, model.from_run against the deployment's storage root, the reward function, where the run
+writes. A bad one is refused with the CLI's one line, before anything reaches the server. What belongs to the
+worker's machine (its devices, torchrun variables) is left to the worker. A good one becomes a flow run of
+`rlhf-train/<DEPLOYMENT>` with `overrides` set, for a worker of its pool to pick up.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import yaml
@@ -34,6 +39,17 @@ def deployment_parameters(name: str, project_file: Path) -> dict:
 
 
 def check_submission(name: str, overrides: list[str], project_file: Path):
+    """The config the run will have (submission_config), its inputs checked in the deployment's working directory
+    (prefect.yaml's folder) as the worker's flow run will check them; raises the line the worker would fail with."""
+    from flows.training.preflight import check_inputs
+
+    config = submission_config(name, overrides, project_file)
+    with contextlib.chdir(project_file.resolve().parent):
+        check_inputs(config, env={}, devices=False)  # the worker's devices and environment are not this machine's
+    return config
+
+
+def submission_config(name: str, overrides: list[str], project_file: Path):
     """The config the run will have (config files relative to prefect.yaml's folder, where the deployment's
     pull step runs the flow); raises the config's one-line error when it does not validate."""
     from flows.training.train import resolve_config
@@ -69,8 +85,10 @@ def add_submit_parser(subcommands):
     parser = subcommands.add_parser(
         "submit", help="start a run of a prefect.yaml deployment, its config checked first",
         description="Resolve the run's config as the flow will (the deployment's config_file and "
-                    "deployment_overrides, then these overrides) and refuse a bad one in one line; otherwise "
-                    "create the flow run for the deployment's work pool (PREFECT_API_URL).\n\n"
+                    "deployment_overrides, then these overrides), check what it reads where the worker will read "
+                    "it (model folders, data globs and model.from_run, relative to prefect.yaml's folder) and "
+                    "refuse a bad one in one line; otherwise create the flow run for the deployment's work pool "
+                    "(PREFECT_API_URL).\n\n"
                     "example: rlhf submit quickstart trainer.total_steps=20")
     parser.add_argument("deployment", help="the deployment's name in prefect.yaml (quickstart, nightly)")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides for this run")

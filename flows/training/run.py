@@ -81,7 +81,9 @@ def run_training(config: Config, start_workers: bool = False) -> tuple[dict, str
     does; otherwise, with trainer.execution=workers, the stages go to workers started elsewhere.
     """
     workers = config.trainer.execution == "workers"
-    check_inputs(config)  # bad data, model or reward: one line before the server starts (the flow reports them)
+    # Bad data, model, reward or device: one line before the server, the MLflow run or the run folder exists (the
+    # flow checks again where it runs). The workers `rlhf run` starts are on this machine: trainer.device too.
+    check_inputs(config, devices=True if start_workers else None)
     if start_workers:
         plan_placement(config)  # fail on a bad placement before any server or model starts
     pools: list[WorkerPool] = []

@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 
 from components.tasks.arithmetic import make_arithmetic_rows
@@ -323,6 +324,15 @@ MODEL_CASES = {
     "reward model missing": (["reward.kind=model", "reward.model_path=./no-reward-model"],
                              "reward.model_path='./no-reward-model' does not exist; give a local model folder or a "
                              "Hugging Face hub name (`rlhf make-tiny-model DIR` writes a tiny one)"),
+    "missing folder a command of this project builds": (
+        ["model.path=.rlhf/models/qwen2.5-0.5b-shaped"],
+        "model.path='.rlhf/models/qwen2.5-0.5b-shaped' does not exist; build it with `rlhf make-tiny-model "
+        ".rlhf/models/qwen2.5-0.5b-shaped --preset qwen2.5-0.5b`, or give another local model folder or a Hugging "
+        "Face hub name"),
+    "missing real model folder": (["model.path=/nowhere/smollm2-135m-instruct"],
+                                  "model.path='/nowhere/smollm2-135m-instruct' does not exist; build it with `rlhf "
+                                  "make-model smollm2-135m-instruct /nowhere/smollm2-135m-instruct`, or give another "
+                                  "local model folder or a Hugging Face hub name"),
     "critic backbone missing": (["algorithm.adv_estimator=gae", "critic.model_path=/nowhere/critic"],
                                 "critic.model_path='/nowhere/critic' does not exist; give a local model folder or a "
                                 "Hugging Face hub name (`rlhf make-tiny-model DIR` writes a tiny one)"),
@@ -394,6 +404,61 @@ def test_resume_of_a_run_that_does_not_exist(capsys, workdir):
 def test_a_placement_on_gpus_that_are_not_there(capsys, workdir, inputs):
     line = one_error_line(capsys, workdir, "run", str(inputs / "config.yaml"), "placement.roles.actor=[99]")
     assert line.startswith("placement.roles.actor: GPU index 99 is out of range: "), line  # then what is visible
+
+
+# --- the device: checked before anything exists, in train, run, quickstart and doctor ---------------
+
+NO_CUDA = "trainer.device='cuda': no CUDA device is visible; use cpu or auto"
+needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal needs a machine without a GPU")
+
+
+@needs_no_gpu
+@pytest.mark.parametrize("command", ["train", "run"])
+def test_a_device_this_machine_lacks_is_refused_before_the_server_mlflow_or_the_run_folder(capsys, workdir, inputs,
+                                                                                         command):
+    """Issue 41, item 1: the line came after the server, the MLflow run and the run folder existed, and the folder
+    refused the next plain run (`run.name='bad': ... already exists`). one_error_line asserts the working directory
+    (storage root, MLflow store, Prefect home) stays empty: nothing is left to refuse the next run."""
+    assert one_error_line(capsys, workdir, command, inputs / "config.yaml", "trainer.device=cuda") == NO_CUDA
+
+
+@needs_no_gpu
+def test_quickstart_refuses_the_device_before_it_builds_anything(capsys, workdir, monkeypatch):
+    built = []
+    monkeypatch.setattr("flows.tools.cli._ensure_quickstart_inputs", built.append)
+    assert one_error_line(capsys, workdir, "quickstart", "trainer.device=cuda") == NO_CUDA
+    assert built == []
+
+
+@needs_no_gpu
+def test_doctor_fails_on_what_train_would_refuse(capsys, workdir):
+    """Issue 41, item 2: `rlhf doctor configs/gpu-1x.yaml` here, its model folder missing, printed `ok: nothing would
+    fail` and a parameter count's OSError (`Repo id must be in the form ...`), and exited 0. Now: both refusals,
+    each the line `rlhf train` prints, and exit 1; doctor creates nothing but its storage probe's folder."""
+    code = main(["doctor", str(REPO / "configs" / "gpu-1x.yaml")])
+    out, err = capsys.readouterr()
+    assert code == 1 and err == "", (code, err)
+    lines = out.splitlines()
+    section = lines.index("Run inputs")
+    assert lines[section + 1:section + 3] == [
+        f"  FAIL  {NO_CUDA}",
+        "  FAIL  model.path='.rlhf/models/qwen2.5-0.5b-shaped' does not exist; build it with `rlhf make-tiny-model "
+        ".rlhf/models/qwen2.5-0.5b-shaped --preset qwen2.5-0.5b`, or give another local model folder or a Hugging "
+        "Face hub name"]
+    assert lines[-1] == "FAIL: inputs (see the FAIL lines)"
+    assert "Repo id" not in out and "OSError" not in out
+    assert sorted(str(path.relative_to(workdir)) for path in workdir.rglob("*")) == [".rlhf", ".rlhf/runs"]
+
+
+def test_doctor_reports_a_bad_input_as_train_does_and_exits_1(capsys, workdir, inputs):
+    code = main(["doctor", str(inputs / "config.yaml"), "model.from_run=yesterday"])
+    out, _ = capsys.readouterr()
+    assert code == 1
+    assert "  FAIL  model.from_run='yesterday': that run has no committed actor weights under runs; give a run that " \
+           "has trained at least one step, or unset it\n" in out
+    assert out.splitlines()[-1] == "FAIL: inputs (see the FAIL lines)"
+    assert sorted(path.name for path in workdir.iterdir()) == ["runs"]  # the storage probe's folder, empty
+    assert list((workdir / "runs").iterdir()) == []
 
 
 # --- user code in the flow: a reward function that raises ------------------------------------------

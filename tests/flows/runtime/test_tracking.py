@@ -245,6 +245,43 @@ def test_the_mlflow_run_points_to_the_prefect_flow_run(tmp_path, monkeypatch):
     assert (logged["prefect.flow_run_id"], logged["prefect.flow_run_url"]) == ("a-retry", tags["prefect.flow_run_url"])
 
 
+def test_under_the_embedded_server_the_mlflow_link_is_the_printed_one_a_user_can_open(tmp_path, monkeypatch, capsys):
+    """Issue 41, item 5: the quickstart's prefect.flow_run_url pointed at the embedded server's random port
+    (http://127.0.0.1:33231/...), gone once the run ends; the printed URL (after `prefect server start` with the same
+    PREFECT_HOME) uses 4200. A real embedded server and a flow run tag a real MLflow run, as start_run does."""
+    from prefect import flow
+
+    from flows.runtime.launcher import flow_run_page, prefect_server, using_prefect_api
+    from flows.tools.cli import _print_where_to_look
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    home = tmp_path / "prefect"
+    config = _config(tmp_path)
+    tracker = Tracker(config)
+
+    @flow(name="tagged")
+    def tagged() -> dict:
+        tags = flow_run_tags()
+        tracker.set_tags(tags)
+        return tags
+
+    with prefect_server(prefect_home=home) as api_url, using_prefect_api(api_url, prefect_home=home):
+        state = tagged(return_state=True)
+        tags = state.result()
+    flow_run_id = str(state.state_details.flow_run_id)
+    logged = MlflowClient(tracking_uri=tracker.uri).get_run(tracker.run_id).data.tags["prefect.flow_run_url"]
+    assert logged == tags["prefect.flow_run_url"] == f"http://127.0.0.1:4200/runs/flow-run/{flow_run_id}"
+    assert api_url.split(":")[2].split("/")[0] not in logged  # not the embedded server's port
+    assert flow_run_page(flow_run_id) == logged
+    _print_where_to_look(config, {"run_dir": "runs/exp-a", "mlflow_run_id": tracker.run_id}, flow_run_id)
+    printed = capsys.readouterr().out.splitlines()
+    assert f"               then {logged}" in printed
+    # A server of the user's (PREFECT_API_URL set): the link is its UI's, printed as it is tagged.
+    monkeypatch.setenv("PREFECT_API_URL", "http://head:4200/api")
+    with temporary_settings(updates={PREFECT_API_URL: "http://head:4200/api"}):  # as Prefect read it at the start
+        assert flow_run_page(flow_run_id) == f"http://head:4200/runs/flow-run/{flow_run_id}"
+
+
 def test_lineage_is_logged_as_params_and_in_full_as_an_artifact(tmp_path):
     files = [{"path": f"/data/nightly/{day:02d}.parquet", "size": 1000 + day, "modified": f"2026-11-{day:02d}T02:00:00+00:00"}
              for day in range(1, 3)]

@@ -122,6 +122,37 @@ def test_config_show_in_process(capsys):
     assert yaml.safe_load(out)["rollout"]["n"] == 16
 
 
+def test_config_show_says_what_the_run_will_be_called(capsys):
+    """Issue 41, item 6: show printed `run.name: quickstart` while `rlhf quickstart` names its run
+    quickstart-<time>; its first line (a YAML comment) says the name, and for the quickstart's file both."""
+    import re
+
+    from flows.tools.cli import _quickstart_config, main
+
+    assert main(["config", "show", str(REPO / QUICKSTART)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "# the run is named quickstart (run.name); `rlhf quickstart` runs this file as quickstart-<its start time, "
+        "YYYYmmdd-HHMMSS>")
+    assert re.fullmatch(r"quickstart-\d{8}-\d{6}", _quickstart_config([]).run.name)
+    assert main(["config", "show", "run.name=nightly", "run.name_timestamp=true"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "# the run is named nightly-<its start time in UTC, YYYYmmdd-HHMMSS> (run.name_timestamp=true)")
+
+
+def test_the_help_cites_only_config_files_that_exist():
+    """Issue 41, item 6: the top-level help cited configs/grpo.yaml, which does not exist."""
+    import re
+
+    from flows.tools.cli import build_parser
+
+    parser = build_parser()
+    texts = [parser.format_help()] + [sub.format_help() for action in parser._subparsers._group_actions
+                                       for sub in action.choices.values()]
+    cited = sorted(set(re.findall(r"configs/[\w.-]+\.yaml", "\n".join(texts))))
+    assert "configs/gpu-1x.yaml" in cited and "configs/grpo.yaml" not in cited
+    assert [name for name in cited if not (REPO / name).is_file()] == []
+
+
 # --- user errors: one `error:` line, exit 2 --------------------------------------------------------
 
 

@@ -74,8 +74,9 @@ def test_differing_params_and_metric_summary(store, tmp_path):
     assert summary["critic/score/mean"]["beta"] == MetricSummary(pytest.approx(0.5), 10, pytest.approx(0.5), 10, "max")
     assert summary["val/reward/mean"]["alpha"] == MetricSummary(0.5, 10, 0.6, 5, "max")
     assert summary["val/reward/mean"]["beta"] is None
-    assert summary["actor/ppo_kl"]["alpha"] == MetricSummary(pytest.approx(0.061), 10, pytest.approx(0.001), 4, "min")
-    assert summary["actor/kl_loss"]["beta"] == MetricSummary(pytest.approx(0.1), 10, pytest.approx(0.1), 10, "min")
+    # A KL has no best (issue 41, item 6: the minimum of the signed actor/ppo_kl was called best): the final only.
+    assert summary["actor/ppo_kl"]["alpha"] == MetricSummary(pytest.approx(0.061), 10, None, None, None)
+    assert summary["actor/kl_loss"]["beta"] == MetricSummary(pytest.approx(0.1), 10, None, None, None)
     assert summary["response_length/mean"]["beta"] == MetricSummary(30.0, 10, None, None, None)
     # Metrics neither run logged are left out, and said so.
     assert "timing_s/step" not in summary and "actor/reward_kl_penalty" not in summary
@@ -84,7 +85,8 @@ def test_differing_params_and_metric_summary(store, tmp_path):
 
 def test_best_direction_rules():
     assert [best_direction(m) for m in DEFAULT_METRICS] == [
-        "max", "max", "min", "min", "min", None, "min", "max", "min", None, None, None]
+        "max", "max", None, None, None, None, "min", "max", "min", None, None, None]
+    assert best_direction("actor/reward_kl_penalty") is None  # a KL, not a reward
 
 
 def test_resolution_by_name_id_and_latest_of_duplicates(store):
@@ -148,7 +150,9 @@ def test_format_table(store, tmp_path):
     rows = {line.split()[0]: line for line in lines if line.split() and "/" in line.split()[0]}
     assert rows["critic/score/mean"].split() == ["critic/score/mean", "1", "/", "1@10", "0.5", "/", "0.5@10"]
     assert rows["val/reward/mean"].split() == ["val/reward/mean", "0.5", "/", "0.6@5", "-"]
-    assert rows["actor/ppo_kl"].split() == ["actor/ppo_kl", "0.061", "/", "0.001@4", "-"]
+    assert rows["actor/ppo_kl"].split() == ["actor/ppo_kl", "0.061", "-"]
+    assert "metrics: final / best@step (best: max for score/reward/throughput, min for loss/timing; none for KL, " \
+           "which is no objective)" in lines
     assert rows["response_length/mean"].split() == ["response_length/mean", "20", "30"]
     # Narrow: the run columns wrap into blocks, each repeating the row labels.
     narrow = format_table(compare_runs(uri, ["alpha", "beta"]), width=40)
