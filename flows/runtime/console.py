@@ -11,6 +11,11 @@ reports of stages and the flow cut short by a stop (the CLI's stop line says it)
 long work (`progress(...)`, `long_work(...)`: model loads and the engine start, the warm-start, validation,
 checkpoints, the export), the workers' ones relayed by the driver (`show`), and the run's warnings about itself
 (`warn(...)`: a run with no learning signal).
+
+In every process that imports the flow (a deployment's flow-run process too, whose output is the Prefect worker's
+log), a flow run that a user error ended is one line on the console: Prefect's engine repeats such an error three
+times with its traceback, and only its `Finished in state Failed(...)` line is kept (`FlowErrorsInOneLine`;
+RLHF_DEBUG=1 shows them all).
 """
 
 from __future__ import annotations
@@ -71,6 +76,33 @@ class ConsoleFilter(logging.Filter):
         if record.name.startswith(("prefect.flow_run", "prefect.workers", "prefect.tasks")):  # .tasks: `.delay()`
             return not _ENGINE_LINES.match(record.getMessage())
         return True
+
+
+def debugging() -> bool:
+    """RLHF_DEBUG set (not 0): tracebacks are shown, as `rlhf --debug` shows them."""
+    return os.environ.get("RLHF_DEBUG", "") not in ("", "0")
+
+
+class FlowErrorsInOneLine(logging.Filter):
+    """Prefect's engine reports a flow run that a user error ended (USER_ERRORS: a run refused by its lock, a config,
+    model or data that do not check out, a stage's error that ended the run) three times, each with the traceback:
+    `Encountered exception during execution`, `Engine execution exited with unexpected exception` and `Execution of
+    flow run ... exited with unexpected exception`. On a console handler they are dropped (not with RLHF_DEBUG=1):
+    the flow run's `Finished in state Failed("...")` line says the error in one line. Prefect's API log keeps them
+    (the filter sits on the console handler), and a stage's own report of its error (prefect.task_runs) stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not record.exc_info or not record.name.startswith(
+                ("prefect.flow_runs", "prefect.engine")):
+            return True
+        return not isinstance(record.exc_info[1], USER_ERRORS) or debugging()
+
+
+def one_line_flow_errors() -> None:
+    """Put FlowErrorsInOneLine on Prefect's console handlers (once)."""
+    for handler in _console_handlers():
+        if not any(isinstance(existing, FlowErrorsInOneLine) for existing in handler.filters):
+            handler.addFilter(FlowErrorsInOneLine())
 
 
 class WarningsOnly(logging.Filter):
@@ -185,3 +217,8 @@ def long_work(start: str, still: str, done: str, every_s: float = 20.0, announce
         thread.join()
     if announced:
         progress(work.done.format(seconds=time.perf_counter() - started))
+
+
+# At import: a deployment's flow-run process runs no code of this project before the flow's module is imported
+# (which imports this one), and Prefect has set up its console handler by then (`import prefect` does).
+one_line_flow_errors()

@@ -375,7 +375,7 @@ def test_a_crashed_deployment_run_is_retried_and_resumes_to_the_uninterrupted_we
                                                FlowRunFilterId)
 
     from flows.runtime.artifacts import artifact_key
-    from flows.tools.submit import check_submission
+    from flows.tools.submit import submission_config
     from flows.training.train import train
 
     env = _env(prefect_api, tmp_path / "prefect-home", pwd=tmp_path)
@@ -405,8 +405,8 @@ def test_a_crashed_deployment_run_is_retried_and_resumes_to_the_uninterrupted_we
         assert [name for name, state in names if state == "CRASHED"] == ["update_actor-1"], names
         assert ("update_actor-1", "COMPLETED") in names, names
         (table,) = prefect_client.read_latest_artifacts(artifact_filter=ArtifactCollectionFilter(
-            key=ArtifactCollectionFilterKey(any_=[artifact_key(check_submission("quickstart", overrides,
-                                                                                REPO_ROOT / "prefect.yaml"),
+            key=ArtifactCollectionFilterKey(any_=[artifact_key(submission_config("quickstart", overrides,
+                                                                                 REPO_ROOT / "prefect.yaml"),
                                                                "metrics")])))
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data
     assert [row["step"] for row in rows] == [1, 2, 3], rows
@@ -424,7 +424,7 @@ def test_a_crashed_deployment_run_is_retried_and_resumes_to_the_uninterrupted_we
         assert rows_by_step[metric.step]["critic/score/mean"] == pytest.approx(metric.value, rel=1e-4)
 
     # The same config, never interrupted (in this process), ends with the same weights, bit for bit.
-    config = check_submission("quickstart", overrides, REPO_ROOT / "prefect.yaml")
+    config = submission_config("quickstart", overrides, REPO_ROOT / "prefect.yaml")
     baseline = config.model_copy(update={"run": config.run.model_copy(update={"storage_root": str(tmp_path / "baseline")})})
     assert train(baseline, return_state=True).is_completed()
 
@@ -458,3 +458,34 @@ def test_a_deployment_run_that_crashes_every_time_ends_failed_after_max_attempts
     with get_client(sync_client=True) as client:  # no task run of either attempt is left Running
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
     assert all(task_run.state.is_final() for task_run in task_runs), [(t.name, t.state.type) for t in task_runs]
+
+
+def test_a_deployment_run_refused_by_the_run_lock_is_one_line_in_the_workers_log(prefect_api, tmp_path, tiny_inputs):
+    """Issue 41, item 4: a second run of a live run's name is refused by the run lock on the worker. Its state message
+    was one line, and the worker's log (the flow-run process's console) added the engine's reports of the error with
+    their tracebacks (three). Now the flow run's `Finished in state Failed(...)` line is the one line saying it, and
+    the refusal created nothing (no run folder, no MLflow store). (RLHF_DEBUG=1 keeps the tracebacks:
+    tests/flows/runtime/test_console.py.)"""
+    if os.environ.get("PREFECT_API_URL"):
+        pytest.skip("PREFECT_API_URL points at an existing server: this test redeploys rlhf-train/quickstart")
+    from flows.runtime.supervision import RunLock
+
+    env = _env(prefect_api, tmp_path / "prefect-home", pwd=tmp_path)
+    env.pop("RLHF_DEBUG", None)
+    pool = _deploy_quickstart_on_a_fresh_pool(env)
+    run_name = f"held-{uuid.uuid4().hex[:6]}"
+    tree = _tiny_config(tmp_path, tiny_inputs, run_name)
+    root = Path(tree["run"]["storage_root"])
+    with RunLock(str(root), run_name):  # this test's process is the live run
+        _, finished, log = _submit_and_run(pool, env, tmp_path, _as_overrides(tree))
+    refusal = (f"run.name='{run_name}' is live: pid {os.getpid()} on {os.uname().nodename} holds it "
+               f"({root / '.locks' / f'{run_name}.lock'}); wait for it to end, stop it, or choose another run.name")
+    assert finished.state.is_failed(), finished.state
+    assert finished.state.message == f"Flow run encountered an exception: RunLockedError: {refusal}"
+    text = log.read_text()
+    assert "Traceback" not in text, text[-6000:]
+    saying_it = [line for line in text.splitlines() if refusal in line]
+    assert len(saying_it) == 1 and saying_it[0].endswith(f'Finished in state Failed("Flow run encountered an '
+                                                         f'exception: RunLockedError: {refusal}")'), text[-6000:]
+    assert sorted(path.name for path in root.iterdir()) == [".locks"]
+    assert not (tmp_path / "mlflow.db").exists()

@@ -37,6 +37,52 @@ def test_the_filter_drops_task_lifecycle_and_engine_lines_and_keeps_the_rest():
 
 
 
+def _raised(error: BaseException):
+    try:
+        raise error
+    except BaseException:
+        import sys
+
+        return sys.exc_info()
+
+
+def test_a_flow_run_a_user_error_ended_is_one_line_on_the_console(monkeypatch):
+    """Issue 41, item 4: a deployment's run refused by the run lock had one line as its state message, and the
+    worker's log (its flow-run process's console) added the engine's reports of it with their tracebacks. The filter
+    sits on Prefect's console handler from the import of this module on; RLHF_DEBUG=1 keeps the tracebacks."""
+    from flows.runtime.supervision import RunLockedError
+
+    monkeypatch.delenv("RLHF_DEBUG", raising=False)
+    refused = _raised(RunLockedError("run.name='nightly' is live: pid 7 on head holds it (x.lock); wait for it to end, "
+                                     "stop it, or choose another run.name"))
+    reports = [_record("prefect.flow_runs", "Encountered exception during execution: %r", logging.ERROR,
+                       exc_info=refused),
+               _record("prefect.flow_runs", "Engine execution exited with unexpected exception", logging.ERROR,
+                       exc_info=refused),
+               _record("prefect.engine", "Execution of flow run '1' exited with unexpected exception", logging.ERROR,
+                       exc_info=refused)]
+    finished = _record("prefect.flow_runs", "Finished in state Failed(\"Flow run encountered an exception: "
+                       "RunLockedError: run.name='nightly' is live: ...\")")
+    keep = console.FlowErrorsInOneLine().filter
+    assert [keep(record) for record in reports] == [False, False, False]
+    assert keep(finished)
+    # Not a user error, or a stage's own report of its error: the traceback stays.
+    crashed = _raised(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert keep(_record("prefect.flow_runs", "Encountered exception during execution: %r", logging.ERROR,
+                        exc_info=crashed))
+    assert keep(_record("prefect.task_runs", "Task run failed with exception: %r", logging.ERROR, exc_info=refused))
+    monkeypatch.setenv("RLHF_DEBUG", "1")
+    assert [keep(record) for record in reports] == [True, True, True]
+    monkeypatch.setenv("RLHF_DEBUG", "0")
+    assert not keep(reports[0])
+    # Installed on Prefect's console handler by the import (the flow-run process imports nothing else of ours first).
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    handlers = [handler for handler in logging.getLogger().handlers if isinstance(handler, PrefectConsoleHandler)]
+    assert handlers and all(any(isinstance(f, console.FlowErrorsInOneLine) for f in handler.filters)
+                            for handler in handlers)
+
+
 def test_while_the_process_stops_prefects_reports_of_cut_short_runs_leave_the_terminal():
     """A stop (SIGTERM, Ctrl-C) ends the stages running beside the flow and the flow itself: Prefect reports each as
     failed or crashed, which the CLI's one line (`SIGTERM: stopped; the run is resumable: ...`) says; other lines
