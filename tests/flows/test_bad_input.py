@@ -413,13 +413,15 @@ needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal
 
 
 @needs_no_gpu
-@pytest.mark.parametrize("command", ["train", "run"])
+@pytest.mark.parametrize("command, config", [("train", "quickstart"), ("train", "test"), ("run", "test")])
 def test_a_device_this_machine_lacks_is_refused_before_the_server_mlflow_or_the_run_folder(capsys, workdir, inputs,
-                                                                                         command):
-    """Issue 41, item 1: the line came after the server, the MLflow run and the run folder existed, and the folder
-    refused the next plain run (`run.name='bad': ... already exists`). one_error_line asserts the working directory
-    (storage root, MLflow store, Prefect home) stays empty: nothing is left to refuse the next run."""
-    assert one_error_line(capsys, workdir, command, inputs / "config.yaml", "trainer.device=cuda") == NO_CUDA
+                                                                                         command, config):
+    """Issue 41, item 1: `rlhf train configs/quickstart.yaml trainer.device=cuda` printed the line after the server,
+    the MLflow run and the run folder existed, and the folder refused the next plain run (`run.name='quickstart':
+    ... already exists`). one_error_line asserts the working directory (where the quickstart's storage root, MLflow
+    store and Prefect home are) stays empty: nothing is left to refuse the next run."""
+    file = REPO / "configs" / "quickstart.yaml" if config == "quickstart" else inputs / "config.yaml"
+    assert one_error_line(capsys, workdir, command, file, "trainer.device=cuda") == NO_CUDA
 
 
 @needs_no_gpu
