@@ -5,8 +5,8 @@
     rlhf compare 3f2a9c...  --metric critic/score/mean --metric actor/entropy
 
 Works offline against the tracking store (an `MlflowClient`, no server needed): lists the params
-that differ between the runs, each metric's final and best value, and plots reward, KL and response
-length against the step.
+that differ between the runs, each metric's final and best value, and plots reward, KL, response
+length and update size against the step.
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def summarize(points: list[tuple[int, float]], metric: str) -> MetricSummary | N
 
 
 def plot_group(metric: str) -> str | None:
-    """The subplot a metric goes in: reward, KL, response length, its own (a metric asked for
+    """The subplot a metric goes in: reward, KL, response length, update size, its own (a metric asked for
     beyond the defaults), or None (default metrics shown in the table only)."""
     if "kl" in metric.lower():
         return "KL"
@@ -379,7 +379,7 @@ def add_compare_parser(subcommands):
     parser = subcommands.add_parser(
         "compare", help="compare runs recorded in MLflow: differing params, metrics, a plot",
         description="Compare training runs: the params that differ, each metric's final and best value, "
-                    "and a PNG of reward, KL and response length by step.\n\nexamples:\n"
+                    "and a PNG of reward, KL, response length and update size by step.\n\nexamples:\n"
                     "  rlhf compare                       # the 10 newest runs of experiment rlhf\n"
                     "  rlhf compare exp1 exp2 --output .rlhf/compare.png\n"
                     "  rlhf compare exp1 exp2 --metric critic/score/mean --metric actor/entropy",
