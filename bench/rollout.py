@@ -88,7 +88,7 @@ def main() -> None:
     from flows.config import layout_for
     from flows.runtime.residents import release_run
     from flows.training.roles import get_role
-    from components.vllm_rollout import prompt_shares
+    from components.vllm_data_parallel import prompt_shares
     from flows.training.stage_io import sync_rollout_weights
     from flows.training.stages import rollout
 

@@ -30,6 +30,7 @@ def _optimizer_state(updater: Updater) -> dict | None:
         return None
     if not is_distributed():
         return updater.optimizer.state_dict()
+    # on use: a sharded run only; torch.distributed.checkpoint adds about 0.4 s to every import of this module
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     return get_optimizer_state_dict(updater.model, updater.optimizer,
@@ -144,6 +145,7 @@ def load_trainer_state(updater: Updater, local_path: str) -> None:
         return
     updater.optimizer, updater.scheduler = make_optimizer(updater.model, updater.config.optim)
     if is_distributed():
+        # on use: a sharded run only; torch.distributed.checkpoint adds about 0.4 s to every import of this module
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(updater.model, updater.optimizer, optim_state_dict=state["optimizer"],

@@ -54,6 +54,7 @@ class Critic:
                         attn_implementation="auto", trust_remote_code=False, seed=0, gradient_checkpointing=False,
                         samples_per_prompt=1):
         """dtype: the compute dtype; master_dtype: the parameters' and optimizer state's (as for the actor)."""
+        # on use: transformers takes about a second to import; the config, the CLI and doctor import this module
         from transformers import AutoConfig, AutoModelForTokenClassification
 
         # No dropout before the value head: update() runs in train mode and must see the same values

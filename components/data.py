@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -47,8 +48,6 @@ class PromptRecord:
 
 def _open_parquet(path: str, field: str) -> pa.Table:
     """Read one Parquet file from a local path or any fsspec URI."""
-    import fsspec
-
     filesystem, path_in_filesystem = fsspec.core.url_to_fs(path)
     if not filesystem.exists(path_in_filesystem):
         raise ValueError(
@@ -139,8 +138,6 @@ def expand_pattern(path: str, field: str) -> list[str]:
     """A path with `*`, `?` or `[` is a glob (local or fsspec URI): its matches, sorted, or an error."""
     if not any(character in path for character in "*?["):
         return [path]
-    import fsspec
-
     fs, pattern = fsspec.core.url_to_fs(path)
     protocol = path.split("://", 1)[0] + "://" if "://" in path else ""
     matches = sorted(fs.glob(pattern))

@@ -252,6 +252,7 @@ def _nvml_processes(pynvml, handle) -> list[GpuProcess]:
 def _nvml_gpus() -> list[GpuInfo] | None:
     """Physical GPUs through NVML; None when pynvml is missing or NVML does not start."""
     try:
+        # on use: pynvml is optional (the inventory falls back to nvidia-smi)
         import pynvml
     except ImportError:
         return None
@@ -293,6 +294,7 @@ print(json.dumps(gpus))
 def torch_device_count() -> int:
     """torch.cuda.device_count(): asks the driver without creating a context; 0 when it fails."""
     try:
+        # on use: this module reads the GPUs without torch (no CUDA context); torch is the last resort
         import torch
 
         return int(torch.cuda.device_count())
@@ -343,6 +345,7 @@ def _torch_count_note(torch_count: int, visible: int) -> str:
     if torch_count == visible:
         return ""
     try:
+        # on use: this module reads the GPUs without torch (no CUDA context); torch is the last resort
         import torch
 
         cuda = torch.version.cuda

@@ -46,6 +46,7 @@ def sized_kv_cache_gib(path: str, tokens: int, dtype: str, tensor_parallel: int 
                        trust_remote_code: bool = False) -> float | None:
     """`kv_cache_gib_for` the model at `path` (a folder or hub name: its config only is read), said in the log;
     None (gpu_memory_utilization decides) where its config does not tell."""
+    # on use: transformers takes about a second to import; the config, the CLI and doctor import this module
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_source(path), trust_remote_code=trust_remote_code)

@@ -95,6 +95,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, field: str = "mod
 
     `check` is off by default because roles load a tokenizer from weights folders that hold none (published
     weights/actor/<k>, which from_pretrained turns into an empty vocabulary); preflight checks model.path."""
+    # on use: transformers takes about a second to import; the config, the CLI and doctor import this module
     from transformers import AutoTokenizer
 
     check_model_source(path, field)
@@ -157,6 +158,7 @@ def load_pretrained(
 
 
 def load_causal_lm(path: str, **kwargs):
+    # on use: transformers takes about a second to import; the config, the CLI and doctor import this module
     from transformers import AutoModelForCausalLM
 
     return load_pretrained(AutoModelForCausalLM, path, **kwargs)
@@ -182,6 +184,7 @@ def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
 def declared_eos_ids(path: str, trust_remote_code: bool = False) -> list[int]:
     """Every end-of-sequence id a model folder (or hub name) declares: generation_config.json's eos_token_id (an
     id or a list), else config.json's; [] when it declares none. The rollout stops at each of them."""
+    # on use: transformers takes about a second to import; the config, the CLI and doctor import this module
     from transformers import AutoConfig, GenerationConfig
 
     source = model_source(path)

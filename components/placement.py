@@ -164,6 +164,7 @@ def count_parameters(model_path: str, trust_remote_code: bool = False, auto_clas
     Tied parameters (input and output embeddings) count once. `auto_class` defaults to
     AutoModelForCausalLM; pass AutoModelForSequenceClassification for a reward model.
     """
+    # on use: placement is validated before anything loads (no torch, no transformers: doctor and the CLI's check)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

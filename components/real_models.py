@@ -164,6 +164,7 @@ def build_real_model(name: str, output_dir: str | Path, source: str | None = Non
                          "empty folder")
     check_converters()
     gguf_path, found = locate_gguf(name, source, cache)
+    # on use: transformers takes about a second to import; the config, the CLI and doctor import this module
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

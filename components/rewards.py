@@ -243,6 +243,7 @@ class RewardModel:
         cls, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> "RewardModel":
         """Load a classifier with num_labels=1 and its tokenizer from a local folder or hub id."""
+        # on use: transformers takes about a second to import; the config, the CLI and doctor import this module
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -14,6 +14,7 @@ from typing import Literal, Sequence
 
 import torch
 from pydantic import Field, field_validator
+from safetensors.torch import load_file
 
 from components.models import eos_ids, id_list, load_causal_lm, load_tokenizer
 from components.settings import Section
@@ -92,8 +93,6 @@ class HFRolloutEngine:
     def load_weights(self, source) -> None:
         """Replace the weights in place: from a safetensors folder (a stored copy of the actor's), or from
         the actor's live model in memory (components.weight_sync.versions.InMemoryWeights), tensor by tensor."""
-        from safetensors.torch import load_file
-
         if isinstance(source, RemoteWeights):  # streamed from the actor's worker (components.weight_sync.receiver)
             source.receive_into(self)
             return

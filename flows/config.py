@@ -26,7 +26,7 @@ from components.rewards import RewardConfig
 from components.rollout import RolloutConfig
 from components.settings import Section
 from components.sft import WarmStartConfig
-from components.vllm_rollout import installed_vllm
+from components.vllm_build import installed_vllm
 from storage import RunLayout
 
 

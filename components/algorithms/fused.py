@@ -28,6 +28,7 @@ from components.algorithms.losses import entropy_from_logits, logprobs_from_logi
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
     try:
+        # on use: triton comes with CUDA builds of torch only; absent, the plain PyTorch path runs
         import triton
         import triton.language
     except Exception:
@@ -80,6 +81,7 @@ def _kernels():
 
 @functools.lru_cache(maxsize=2)
 def _make_kernels(interpreted: bool):
+    # on use: triton comes with CUDA builds of torch only; absent, the plain PyTorch path runs
     import triton
     import triton.language as tl
 

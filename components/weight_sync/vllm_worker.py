@@ -64,6 +64,7 @@ class WeightReceiver:
 
     def rlhf_begin_load(self) -> str:
         """Prepare an in-memory load; returns the way it goes ('direct' or 'layerwise')."""
+        # on use: only vLLM's worker processes call this, vLLM imported already; the module imports without vLLM
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         model = self.model_runner.get_model()
@@ -96,6 +97,7 @@ class WeightReceiver:
     def rlhf_finish_load(self) -> dict:
         """Finish an in-memory load; returns its parts in seconds: receive (opening or receiving the buckets),
         apply (the loaders' copies, layerwise processing included)."""
+        # on use: only vLLM's worker processes call this, vLLM imported already; the module imports without vLLM
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         layerwise = _quiet_layerwise()

@@ -32,7 +32,7 @@ import fsspec
 from prefect.task_worker import serve
 
 from components.distributed import broadcast_call, init_from_environment
-from components.vllm_rollout import preload_vllm
+from components.vllm_build import preload_vllm
 from flows.runtime.console import PROGRESS_LOGGER, quiet_console
 from flows.runtime.residents import LOAD_COUNTS, forget_earlier_run
 from flows.runtime.supervision import watch_parent

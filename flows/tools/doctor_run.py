@@ -11,7 +11,7 @@ import uuid
 import fsspec
 
 from components.placement import DTYPE_BYTES
-from components.vllm_rollout import vllm_version
+from components.vllm_build import vllm_version
 from flows.runtime.transport import weight_sync_mode
 from flows.training.engines import engine_tensor_parallel, rollout_engine_name, rollout_sleeps
 from flows.training.plan import parameter_counts

@@ -4,7 +4,7 @@ devices, not of the process that asks (a stage behaves the same in the driver an
 from __future__ import annotations
 
 from components.models import resolve_device
-from components.vllm_rollout import installed_vllm, vllm_supports
+from components.vllm_build import installed_vllm, vllm_supports
 from flows.config import Config
 
 

@@ -45,6 +45,7 @@ class StageSpec:
     def task(self):
         """The Prefect task that runs this stage (flows/runtime/tasks.py adds the worker's bookkeeping)."""
         if self._task is None:
+            # on use: the Prefect task wrapper; the registry stays importable without Prefect
             from flows.runtime.tasks import stage_task
 
             self._task = stage_task(self.function, self.name)

@@ -23,7 +23,8 @@ from components.models import compile_layers, load_tokenizer, resolve_device, re
 from components.reference import Reference
 from components.rewards import RewardModel, load_reward_function
 from components.rollout import HFRolloutEngine
-from components.vllm_rollout import DataParallelRollout, VLLMRolloutEngine
+from components.vllm_data_parallel import DataParallelRollout
+from components.vllm_rollout import VLLMRolloutEngine
 from flows.config import Config, layout_for
 from flows.runtime.console import long_work, progress
 from flows.runtime.recovery import LATEST, restore_point, state_source

@@ -6,7 +6,7 @@ import importlib.metadata
 
 from transformers import DeepseekV3Config, Qwen2Config
 
-from components import vllm_rollout
+from components import vllm_build
 from components.kv_cache import kv_bytes_per_token, kv_cache_gib_for, sized_kv_cache_gib
 
 # Qwen2.5-0.5B's attention: 24 layers, 14 query heads, 2 key-value heads of 64 dims
@@ -45,12 +45,12 @@ def test_latent_attention_is_left_to_gpu_memory_utilization():
 
 
 def test_a_wake_skips_the_prefix_cache_reset_only_where_sleep_emptied_it(monkeypatch):
-    monkeypatch.setattr(vllm_rollout, "installed_vllm", lambda: "vllm")
+    monkeypatch.setattr(vllm_build, "installed_vllm", lambda: "vllm")
     for version, clears in (("0.26.0", True), ("0.32.0+cpu", True), ("1.0.0", True), ("0.25.1", False), ("dev", False)):
         monkeypatch.setattr(importlib.metadata, "version", lambda _name, version=version: version)
-        vllm_rollout.sleep_clears_prefix_cache.cache_clear()  # read once per process
-        assert vllm_rollout.sleep_clears_prefix_cache() is clears, version
-    monkeypatch.setattr(vllm_rollout, "installed_vllm", lambda: None)
-    vllm_rollout.sleep_clears_prefix_cache.cache_clear()
-    assert vllm_rollout.sleep_clears_prefix_cache() is False
-    vllm_rollout.sleep_clears_prefix_cache.cache_clear()  # the next reader sees the installed build
+        vllm_build.sleep_clears_prefix_cache.cache_clear()  # read once per process
+        assert vllm_build.sleep_clears_prefix_cache() is clears, version
+    monkeypatch.setattr(vllm_build, "installed_vllm", lambda: None)
+    vllm_build.sleep_clears_prefix_cache.cache_clear()
+    assert vllm_build.sleep_clears_prefix_cache() is False
+    vllm_build.sleep_clears_prefix_cache.cache_clear()  # the next reader sees the installed build

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from components.rollout import SamplingParams, logprob_prompts
-from components.vllm_rollout import installed_vllm, vllm_supports
+from components.vllm_build import installed_vllm, vllm_supports
 
 DEVICE = "cuda" if torch.cuda.is_available() and vllm_supports("cuda") else "cpu"
 if not vllm_supports(DEVICE):
@@ -289,7 +289,8 @@ def test_stop_strings_end_the_response(engine):
 @pytest.fixture(scope="module")
 def two_engines(engine, model_path):
     """The module's engine and a second one, side by side (rollout.engines=2)."""
-    from components.vllm_rollout import DataParallelRollout, VLLMRolloutEngine
+    from components.vllm_data_parallel import DataParallelRollout
+    from components.vllm_rollout import VLLMRolloutEngine
 
     second = VLLMRolloutEngine(model_path, dtype="float32", kv_cache_gib=0.5 if DEVICE == "cpu" else None,
                                gpu_memory_utilization=0.3, max_model_len=32, enforce_eager=True, seed=1,
@@ -299,7 +300,7 @@ def two_engines(engine, model_path):
 
 
 def test_prompt_shares_are_contiguous_and_even():
-    from components.vllm_rollout import prompt_shares
+    from components.vllm_data_parallel import prompt_shares
 
     assert prompt_shares(10, 3) == [(0, 3), (3, 6), (6, 10)]
     assert prompt_shares(3, 2) == [(0, 1), (1, 3)]
@@ -354,7 +355,8 @@ def test_a_woken_engine_generates_from_its_new_weights_not_from_prefixes_cached_
     slept: woken by new weights, it generates exactly what transformers computes for them. Where vLLM's sleep
     empties the prefix cache itself, the wake makes no reset of its own (a stale cache would fail the gap)."""
     from components.models import load_causal_lm
-    from components.vllm_rollout import VLLMRolloutEngine, sleep_clears_prefix_cache
+    from components.vllm_build import sleep_clears_prefix_cache
+    from components.vllm_rollout import VLLMRolloutEngine
 
     prompts = [list(range(10, 30)), list(range(40, 60))]  # 20 tokens: a whole 16-token block each
     sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, ignore_eos=True, seed=5)
@@ -401,9 +403,9 @@ def test_preloading_vllm_records_what_its_import_changes_and_leaves_the_environm
         "print(json.dumps({k: os.environ.get(k) for k in before.keys() | os.environ.keys()"
         " if before.get(k) != os.environ.get(k)}))")
     preloaded = last_json(
-        "import json, os, sys\nbefore = dict(os.environ)\nimport components.vllm_rollout as module\n"
+        "import json, os, sys\nbefore = dict(os.environ)\nimport components.vllm_build as module\n"
         "first = module.preload_vllm()\nagain = module.preload_vllm()\n"
-        "unchanged = dict(os.environ) == before\nmodule._replay_import_environment()\n"
+        "unchanged = dict(os.environ) == before\nmodule.replay_import_environment()\n"
         "print(json.dumps({'imported': 'vllm' in sys.modules, 'first': first, 'again': again, 'unchanged': unchanged,"
         " 'recorded': module._IMPORT_ENVIRONMENT, 'replayed': {k: os.environ.get(k) for k in before.keys() |"
         " os.environ.keys() if before.get(k) != os.environ.get(k)}}))")

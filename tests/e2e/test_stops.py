@@ -21,7 +21,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from components.vllm_rollout import installed_vllm, vllm_supports
+from components.vllm_build import installed_vllm, vllm_supports
 from storage import RunLayout
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ import os
 import pytest
 from mlflow.tracking import MlflowClient
 
-from components.vllm_rollout import installed_vllm, vllm_supports
+from components.vllm_build import installed_vllm, vllm_supports
 from flows.runtime.residents import LOAD_COUNTS
 from storage import RunLayout, read_stage
 

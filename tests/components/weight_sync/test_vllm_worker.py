@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from components.vllm_rollout import installed_vllm, vllm_supports
+from components.vllm_build import installed_vllm, vllm_supports
 
 DEVICE = "cuda" if torch.cuda.is_available() and vllm_supports("cuda") else "cpu"
 if not vllm_supports(DEVICE):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from components.vllm_rollout import vllm_supports
+from components.vllm_build import vllm_supports
 from flows.config import build_config
 from flows.training.plan import modelless_roles, rollout_uses_tensor_parallel, worker_preloads
 
