@@ -24,6 +24,7 @@ from components.placement import (
 from components.vllm_build import installed_vllm
 from flows.config import Config
 from flows.training.engines import rollout_engine_name
+from flows.training.preflight import check_model_folder
 from flows.training.registry import SHARDED_ROLES
 
 
@@ -37,23 +38,27 @@ def parameter_counts(config: Config, roles: list[str]) -> tuple[dict[str, int], 
     # On use: `rlhf doctor` is part of the CLI's parser, which must not pay for transformers at startup.
     from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-    sources = {"rollout": (config.model.path, None), "actor": (config.model.path, None),
-               "reference": (config.model.path, None),
-               "critic": (config.critic.model_path or config.model.path, AutoModelForTokenClassification),
-               "reward": (config.reward.model_path, AutoModelForSequenceClassification)}
+    critic = "critic.model_path" if config.critic.model_path else "model.path"
+    sources = {"rollout": (config.model.path, None, "model.path"), "actor": (config.model.path, None, "model.path"),
+               "reference": (config.model.path, None, "model.path"),
+               "critic": (config.critic.model_path or config.model.path, AutoModelForTokenClassification, critic),
+               "reward": (config.reward.model_path, AutoModelForSequenceClassification, "reward.model_path")}
     counts, problems, cache = {}, [], {}
     for role in roles:
         if role in modelless_roles(config):
             continue  # a rule reward is a plain function: no model, no memory
-        path, auto_class = sources[role]
+        path, auto_class, field = sources[role]
         key = (path, auto_class)
         try:
             if key not in cache:
+                check_model_folder(path, field)  # a missing local folder in its own words, not the hub's
                 cache[key] = count_parameters(path, config.model.trust_remote_code, auto_class=auto_class)
             counts[role] = cache[key]
         except Exception as error:  # a missing folder, an unreachable hub, an unknown architecture
-            problems.append(f"could not count the parameters of {role} ({path}): {type(error).__name__}: "
-                            f"{str(error).splitlines()[0] if str(error) else ''}; its memory check is skipped")
+            detail = str(error).splitlines()[0] if str(error) else ""
+            detail = detail if isinstance(error, ValueError) else f"{type(error).__name__}: {detail}"
+            problems.append(f"could not count the parameters of {role} ({path}): {detail}; its memory check is "
+                            "skipped")
     return counts, problems
 
 

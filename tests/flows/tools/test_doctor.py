@@ -20,9 +20,13 @@ WORKERS = "trainer.execution=workers"  # the placement applies only to role work
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
+    """A tiny model, and beside it (data/) the arithmetic prompts the configs of `overrides` read."""
+    from components.tasks.arithmetic import write_arithmetic_dataset
     from components.tiny import build_tiny_model
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
+    root = tmp_path_factory.mktemp("models")
+    write_arithmetic_dataset(root / "data", train_size=64, validation_size=16)
+    return str(build_tiny_model(root / "tiny"))
 
 
 @pytest.fixture
@@ -37,8 +41,10 @@ def machine(tmp_path, monkeypatch):
 
 
 def overrides(tmp_path, tiny_model: str) -> list[str]:
+    data = Path(tiny_model).parent / "data"
     return [f"run.storage_root={tmp_path / 'runs'}", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow' / 'db'}",
-            f"model.path={tiny_model}"]
+            f"model.path={tiny_model}", f"data.train_files=[{data / 'train.parquet'}]",
+            f"data.val_files=[{data / 'validation.parquet'}]"]
 
 
 def two_h200(processes: list[GpuProcess] | None = None) -> Inventory:
@@ -85,6 +91,10 @@ def test_text_on_a_machine_without_gpus(machine, tiny_model, monkeypatch):
     assert "ok    storage root" in text and "ok    MLflow" in text
     assert report["placement"]["assignments"] == {"rollout": "cpu", "actor": "cpu", "reward": "cpu"}
     assert report["placement"]["status"] == "ok"
+    assert report["inputs"] == {"status": "ok", "detail": "model, data, reward and where the run writes check out",
+                                "errors": [], "lines": ["data: 64 training prompts, 16 validation prompts",
+                                                        "reward: data_source 'arithmetic' scored by exact_match"]}
+    assert "Run inputs\n  ok    model, data, reward and where the run writes check out\n" in text
     assert text.splitlines()[-1] == "ok: nothing would fail"
 
 
@@ -160,7 +170,10 @@ def test_a_model_that_cannot_be_counted_skips_its_memory_check(machine, monkeypa
     config = build_config(None, overrides(machine, str(machine / "no-model")))
     placement = doctor.collect_report(config)["placement"]
     assert placement["status"] == "warn" and placement["parameters"] == {}
-    assert placement["notes"][0].startswith(f"could not count the parameters of rollout ({machine / 'no-model'})")
+    assert placement["notes"][0] == (
+        f"could not count the parameters of rollout ({machine / 'no-model'}): model.path='{machine / 'no-model'}' "
+        "does not exist; give a local model folder or a Hugging Face hub name (`rlhf make-tiny-model DIR` writes a "
+        "tiny one); its memory check is skipped")  # not the hub's `Repo id must be in the form ...`
     assert placement["assignments"] == {"rollout": [0], "actor": [0], "reward": "cpu"}
 
 
