@@ -5,6 +5,8 @@
 #                                      STEPS measured steps, default 2), each bounded by what is left of DEADLINE_S
 #                                      (default 590 s from the script's start); shared Prefect server; PRODUCT_SET as
 #                                      for phase t
+#   bash bench/gpu-session.sh gen      one H200, GPU 0: bench/rollout.py at the step's shape with vLLM's own settings,
+#                                      then each rollout.engine_kwargs variant of GEN_KWARGS (;-separated JSON)
 #   bash bench/gpu-session.sh verl     one H200, GPU 0: verl 0.9.1's GRPO trainer at the `one` phase's knobs
 #                                      (bench/verl/README.md; STEPS default 3), for the same lease as `one`
 #   bash bench/gpu-session.sh w        one H200, GPU 0: bench/weight_sync.py (storage, then memory) at the 0.5B, then
@@ -252,6 +254,19 @@ for phase in "$@"; do
        steps=${STEPS:-2}
        run grpo-2gpu-engines2 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps" --set rollout.engines=2
        run grpo-2gpu 0,1 bench/step.py --algorithm grpo --gpus 2 --steps "$steps" ;;
+    gen) # issue 37, item 1: the rollout stage against raw vLLM at the step's shape (64 x 8, 256 -> 512 tokens,
+       # 0.4 of the GPU as the one-GPU run), the engine's own settings, then each rollout.engine_kwargs variant of
+       # GEN_KWARGS (;-separated JSON objects), one after another on GPU 0, bounded by DEADLINE_S
+       export DEADLINE_S=${DEADLINE_S:-590}
+       run rollout-gen-default 0 bench/rollout.py --prompt-tokens 256 --new-tokens 512 --gpu-memory-utilization 0.4 --repeats 2
+       gen_kwargs=${GEN_KWARGS:-}
+       [ -n "$gen_kwargs" ] || gen_kwargs='{"max_num_batched_tokens": 32768};{"max_num_seqs": 512, "max_num_batched_tokens": 65536};'
+       index=0
+       while IFS= read -r -d ';' kwargs; do
+         [ -n "$kwargs" ] || continue; index=$((index + 1))
+         run "rollout-gen-$index" 0 bench/rollout.py --prompt-tokens 256 --new-tokens 512 --gpu-memory-utilization 0.4 \
+           --repeats 2 --engine-kwargs "$kwargs"
+       done <<< "$gen_kwargs" ;;
     g) # why generation on a rollout-only GPU (0.85 of its memory, no sleep) was slower than on a shared one
        # (0.4): the same bench/rollout.py at the step's shape, both settings side by side
        run rollout-mem085 0 bench/rollout.py --prompt-tokens 256 --new-tokens 512 --gpu-memory-utilization 0.85 &

@@ -3,6 +3,7 @@
     python bench/rollout.py                        # Qwen2.5-0.5B shape, 64 prompts x 8, 128 -> 256 tokens
     python bench/rollout.py --tp 2                 # tensor-parallel engine over the two visible GPUs
     python bench/rollout.py --engines 2            # two engines side by side (rollout.engines), prompts split
+    python bench/rollout.py --engine-kwargs '{"max_num_batched_tokens": 32768}'   # a vLLM setting (rollout.engine_kwargs)
     python bench/rollout.py --device cpu --preset tiny --prompts 8 --n 2 --prompt-tokens 16 --new-tokens 8
 
 One rollout role serves every measurement (as the flow builds it, started once; --engines 2: two engines):
@@ -21,6 +22,7 @@ Responses are fixed length (ignore_eos), so every run generates the same number 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -78,6 +80,9 @@ def main() -> None:
                         help="rollout.engines: engines side by side, each on a share of the prompts (raw runs too)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--engine-kwargs", type=json.loads, default={},
+                        help='rollout.engine_kwargs as JSON, e.g. \'{"max_num_seqs": 512, "max_num_batched_tokens": '
+                             '16384}\': vLLM engine settings for both the raw and the stage measurement')
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args()
@@ -108,7 +113,7 @@ def main() -> None:
                     "temperature": 1.0, "gpu_memory_utilization": args.gpu_memory_utilization,
                     "tensor_parallel_size": args.tp if on_gpu else None, "enforce_eager": args.enforce_eager or not on_gpu,
                     "kv_cache_gib": None if on_gpu else 1.0, "sleep": "on" if on_gpu else "off",
-                    "engines": args.engines},
+                    "engines": args.engines, "engine_kwargs": args.engine_kwargs},
         "trainer": {"device": args.device, "total_steps": 1},
         "tracking": {"tracking_uri": f"sqlite:///{work}/mlflow.db"},
     })
@@ -147,7 +152,7 @@ def main() -> None:
         variant = config if logprobs_fraction is None else config.model_copy(
             update={"rollout": config.rollout.model_copy(update={"logprobs_fraction": logprobs_fraction})})
         begin = time.perf_counter()
-        result = rollout(variant, step)
+        result = rollout(variant, step, weights_step=0)  # the engine's own weights: no reload inside the timing
         seconds = time.perf_counter() - begin
         return seconds, int(result["metrics"]["perf/gen_tokens"]), result["metrics"]
 
@@ -204,7 +209,8 @@ def main() -> None:
     ] + [{"measure": name, "value": f"{value:.3f}" if isinstance(value, float) else str(value)}
          for name, value in sleep.items()]
     print(f"\n{args.prompts} prompts x {args.n} samples, {args.prompt_tokens} prompt tokens, {args.new_tokens} new tokens "
-          f"(fixed), {args.preset}, tp={args.tp}, engines={args.engines}, {args.device}\n")
+          f"(fixed), {args.preset}, tp={args.tp}, engines={args.engines}, {args.device}, "
+          f"engine_kwargs={json.dumps(args.engine_kwargs)}\n")
     print(markdown_table(rows, ["measure", "value"]))
     emit({"bench": "rollout", "args": vars(args), "raw_tokens_per_s": raw_tps, "stage_tokens_per_s": stage_tps,
           "stage_over_raw": stage_tps / raw_tps, "raw_logprobs_tokens_per_s": raw_logprob_tps,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from pydantic import Field, field_validator
@@ -210,6 +210,19 @@ class HFRolloutEngine:
 
 
 # The run's `rollout` section, for this engine and VLLMRolloutEngine (flows/config.py composes it).
+RESERVED_ENGINE_KWARGS = {
+    "model": "model.path",
+    "worker_extension_cls": "the weight hand-over's receiver in vLLM's workers",
+    "enable_sleep_mode": "rollout.sleep",
+    "logprobs_mode": "the log-probs the gap metric compares",
+    "max_model_len": "data.max_prompt_length + rollout.max_new_tokens",
+    "tensor_parallel_size": "rollout.tensor_parallel_size",
+    "seed": "trainer.seed",
+    "dtype": "model.compute_dtype",
+}
+"""vLLM engine arguments the rollout sets from other settings (what sets each): not in rollout.engine_kwargs."""
+
+
 class RolloutConfig(Section):
     engine: Literal["auto", "vllm", "hf"] = "auto"
     """Generation engine: vllm, hf (transformers generate), or auto: vLLM whenever a build for this device
@@ -261,6 +274,21 @@ class RolloutConfig(Section):
     (off: NCCL only, the conservative choice on VMs without NVLink multicast)."""
     enforce_eager: bool | None = None
     """vLLM: no CUDA graphs / torch.compile (faster start, slower decoding). Default: on for the CPU."""
+    engine_kwargs: dict[str, Any] = {}
+    """vLLM: more arguments of its engine (`vllm.EngineArgs`), as verl's rollout.engine_kwargs.vllm, e.g.
+    `{max_num_seqs: 512, max_num_batched_tokens: 16384, compilation_config: {cudagraph_capture_sizes: [64, 128]}}`;
+    they take precedence over the engine's own choices (a name vLLM does not know is refused as the engine
+    starts, before it loads the model), except those the weight hand-over and sleep mode rely on
+    (RESERVED_ENGINE_KWARGS: refused here). Measure a setting with `python bench/rollout.py --engine-kwargs`."""
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _not_reserved(cls, value: dict) -> dict:
+        reserved = sorted(set(value) & set(RESERVED_ENGINE_KWARGS))
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)}: set by the rollout itself ({RESERVED_ENGINE_KWARGS[reserved[0]]}); "
+                             "the other vLLM engine arguments are allowed")
+        return value
     sleep: Literal["auto", "on", "off"] = "auto"
     """vLLM: free the engine's GPU memory between generations (sleep mode). auto: on when the rollout
     shares a GPU with a training role (local execution on a GPU, or a placement.colocate group)."""

@@ -30,7 +30,7 @@ from components.kv_cache import sized_kv_cache_gib
 from components.models import declared_eos_ids, eos_ids
 from components.rollout import Generation, SamplingParams, logprob_prompts
 from components.vllm_build import (environment_restored, installed_vllm, replay_import_environment,
-                                   sleep_clears_prefix_cache)
+                                   sleep_clears_prefix_cache, vllm_version)
 from components.weight_sync.buckets import BucketBuffers, StaleWeightsError, pack_buckets
 from components.weight_sync.channel import ipc_payload
 from components.weight_sync.receiver import LOAD_PARTS, RemoteWeights, new_session
@@ -58,7 +58,7 @@ class VLLMRolloutEngine:
                  seed: int = 0, enforce_eager: bool = False, sleep: bool = False, trust_remote_code: bool = False,
                  max_num_seqs: int | None = None, custom_all_reduce: bool = False, tokenizer=None,
                  devices: str | None = None, bucket_bytes: int = WEIGHTS_BUCKET_BYTES,
-                 kv_cache_tokens: int | None = None):
+                 kv_cache_tokens: int | None = None, engine_kwargs: dict | None = None):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         kwargs = dict(model=path, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
@@ -79,10 +79,13 @@ class VLLMRolloutEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
+        kwargs.update(engine_kwargs or {})  # rollout.engine_kwargs: the user's choice wins
         started = time.perf_counter()
         with environment_restored():  # vLLM's import and start both edit it
             replay_import_environment()  # the import's edits, when preload_vllm imported it earlier
             from vllm import LLM  # here: its import (15-20 s) edits os.environ, undone on the way out
+
+            check_engine_kwargs(engine_kwargs or {})
 
             # Fork is unsafe once this process has touched CUDA (vLLM does not always notice): always spawn.
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -374,3 +377,18 @@ def _sampled_logprobs(logprobs, tokens: list[int]) -> list[float]:
             raise RuntimeError("vLLM's logprobs do not belong to the sampled tokens")
         return values
     return [position[token].logprob for position, token in zip(logprobs, tokens)]
+
+
+def check_engine_kwargs(engine_kwargs: dict) -> None:
+    """ValueError (one line) for a name in rollout.engine_kwargs that vLLM's engine does not take: before LLM()
+    loads the model, where vLLM would fail with a TypeError deep in its start."""
+    import dataclasses  # on use, beside vLLM's own import
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {field.name for field in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(engine_kwargs) - known)
+    if unknown:
+        raise ValueError(f"rollout.engine_kwargs: {', '.join(map(repr, unknown))} is not an argument of "
+                         f"{vllm_version()}'s engine (vllm.EngineArgs; e.g. max_num_seqs, max_num_batched_tokens, "
+                         "compilation_config)")

@@ -81,6 +81,7 @@ def vllm_options(config: Config, visible: int) -> dict:
         sleep=sleeps,
         custom_all_reduce=rollout.custom_all_reduce,
         bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20,
+        engine_kwargs=dict(rollout.engine_kwargs),
     )
 
 

@@ -33,7 +33,8 @@ def engine(model_path):
     before = dict(os.environ)
     engine = VLLMRolloutEngine(model_path, dtype="float32", kv_cache_gib=0.5 if DEVICE == "cpu" else None,
                                gpu_memory_utilization=0.3, max_model_len=32, enforce_eager=True, seed=0,
-                               tokenizer=load_tokenizer(model_path))
+                               tokenizer=load_tokenizer(model_path),
+                               engine_kwargs={"max_num_batched_tokens": 4000})  # rollout.engine_kwargs
     engine.environment_change = {key: os.environ.get(key) for key in set(before) | set(os.environ)
                                  if before.get(key) != os.environ.get(key)}
     yield engine
@@ -71,6 +72,15 @@ def test_engine_start_leaves_this_process_environment_alone(engine):
     assert {key: value for key, value in engine.environment_change.items() if key not in ours} == {}
     # Weights are loaded by methods of a registered worker extension: no pickled function crosses processes.
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ
+
+
+def test_engine_kwargs_reach_vllm_and_a_name_it_does_not_take_is_one_line(engine):
+    from components.vllm_rollout import check_engine_kwargs
+
+    assert engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens == 4000
+    with pytest.raises(ValueError) as error:
+        check_engine_kwargs({"max_num_seqs": 8, "max_num_seq": 8})
+    assert str(error.value).startswith("rollout.engine_kwargs: 'max_num_seq' is not an argument of vllm")
 
 
 def test_samples_are_prompt_major_with_one_logprob_per_token(engine):

@@ -90,3 +90,16 @@ def test_on_the_cpu_the_options_take_no_gpu():
     options = vllm_options(build_config({}, ["trainer.device=cpu", "trainer.execution=workers"]), 4)
     assert options["tensor_parallel_size"] == 1 and options["kv_cache_gib"] == 1.0
     assert options["enforce_eager"] is True and options["sleep"] is False and options["kv_cache_tokens"] is None
+
+
+def test_engine_kwargs_go_to_vllm_and_those_the_rollout_sets_itself_are_refused():
+    from flows.config import build_config
+    from flows.training.engines import vllm_options
+
+    config = build_config({"rollout": {"engine_kwargs": {"max_num_seqs": 512, "max_num_batched_tokens": 16384}}})
+    assert vllm_options(config, 0)["engine_kwargs"] == {"max_num_seqs": 512, "max_num_batched_tokens": 16384}
+    assert vllm_options(build_config({}), 0)["engine_kwargs"] == {}
+    with pytest.raises(ValueError) as error:
+        build_config({"rollout": {"engine_kwargs": {"enable_sleep_mode": False}}})
+    assert ("rollout.engine_kwargs: enable_sleep_mode: set by the rollout itself (rollout.sleep); the other vLLM "
+            "engine arguments are allowed") in str(error.value)
