@@ -17,6 +17,7 @@ from prefect.runtime import flow_run
 from components.algorithms import make_kl_controller
 from flows.config import Config, ConfigError, RunConfig, layout_for
 from flows.runtime.artifacts import PrefectArtifacts, recorded_rows
+from flows.runtime.batches import batches_for
 from flows.runtime.dispatch import ProgressRelay, RemoteStage
 from flows.runtime.checkpoints import CHECKPOINT_QUIET_S, in_background, wait_written
 from flows.runtime.console import long_work
@@ -68,7 +69,8 @@ class RunState:
         step = args[0] if args else None
         pending = Pending(stage, step)
         if self.config.run.resume:
-            pending.metrics = finished_stage_metrics(layout_for(self.config), stage, step, self.config.samples_per_step)
+            pending.metrics = finished_stage_metrics(layout_for(self.config), stage, step, self.config.samples_per_step,
+                                                     batches_for(self.config))
             if pending.metrics is not None:
                 return pending
         if trainer.execution == "workers" and stage.role != "driver":
@@ -252,7 +254,7 @@ def _verify_for_resume(layout, config: Config, tracker: Tracker) -> list[str]:
     stage files validate (flows.runtime.recovery), and what the resume changed in the config (its overrides) is
     kept in run.json and tagged in MLflow. One line per finding."""
     lines = [line for line in [repair_latest_pointer(layout)] if line]
-    lines += check_step_files(layout, latest_checkpoint(layout) or 0)
+    lines += check_step_files(layout, latest_checkpoint(layout) or 0, batches_for(config))
     changes, resumes = record_resume_changes(layout, _with_absolute_paths(config), _now())
     if changes:
         tracker.set_tags({f"rlhf.resume.{resumes}.changed": json.dumps(changes)[:5000]})

@@ -9,10 +9,10 @@ Files, all under the run folder and all written atomically:
     checkpoints/latest.json         {"step": k}, written after every part of checkpoint k
     steps/<k>/<stage>.metrics.json  the metrics a finished stage returned, written after its output
 
-A stage declared skippable (flows/training/registry.py) is finished when its output validates
-(storage.validate_stage_file, or committed weights) and its metrics file exists; a resumed run does not
-run it again. Updates are never skipped: they restart from the restored checkpoint and rewrite their
-outputs identically.
+A stage declared skippable (flows/training/registry.py) is finished when its output validates (its batch
+reads back whole through the run's Batches, flows/runtime/batches.py; or its weights are committed) and its
+metrics file exists; a resumed run does not run it again. Updates are never skipped: they restart from the
+restored checkpoint and rewrite their outputs identically.
 
 A trained role (actor, critic) holds the training state at the start of some step; a stage at step k
 needs step k's. `restore_point` says where a role built now starts (the latest checkpoint: where a
@@ -22,7 +22,8 @@ a resident role holding another state gets step k's, or raises RoleStateError sa
 
 from __future__ import annotations
 
-from storage import COMMITTED_MARKER, RunLayout, read_json, validate_stage_file, write_json_atomic
+from flows.runtime.batches import Batches, StorageBatches
+from storage import COMMITTED_MARKER, RunLayout, read_json, write_json_atomic
 from storage.io import StorageFileError
 
 LATEST = object()
@@ -128,19 +129,22 @@ def record_stage_metrics(layout: RunLayout, stage, step: int | None, metrics: di
         write_json_atomic(layout.fs, _metrics_path(layout, stage.name, step), metrics)
 
 
-def _output_written(layout: RunLayout, stage, step: int | None, expected_rows: int | None) -> bool:
+def _output_written(layout: RunLayout, batches: Batches, stage, step: int | None, expected_rows: int | None) -> bool:
     if stage.output.startswith("weights/"):  # the warm-start's policy: weights/<role>/0
         return layout.fs.exists(f"{layout.weights_dir(stage.output.split('/')[1], step or 0)}/{COMMITTED_MARKER}")
-    return validate_stage_file(layout, step, stage.output, expected_rows=expected_rows if stage.per_sample else None)
+    return batches.readable(step, stage.output, expected_rows=expected_rows if stage.per_sample else None)
 
 
-def finished_stage_metrics(layout: RunLayout, stage, step: int | None, expected_rows: int | None) -> dict | None:
+def finished_stage_metrics(layout: RunLayout, stage, step: int | None, expected_rows: int | None,
+                           batches: Batches | None = None) -> dict | None:
     """The stored metrics of a finished stage (`stage`: its registry declaration), or None when it must
-    run (not skippable; output or metrics missing, partial or corrupt)."""
+    run (not skippable; output or metrics missing, partial or corrupt). `batches`: the run's
+    (flows/runtime/batches.py: batches_for), its folder's Parquet files when not given."""
     if not stage.skippable:
         return None
+    batches = StorageBatches(layout) if batches is None else batches
     metrics_path = _metrics_path(layout, stage.name, step)
-    if not layout.fs.exists(metrics_path) or not _output_written(layout, stage, step, expected_rows):
+    if not layout.fs.exists(metrics_path) or not _output_written(layout, batches, stage, step, expected_rows):
         return None
     try:
         return read_json(layout.fs, metrics_path)
@@ -178,24 +182,25 @@ def repair_latest_pointer(layout: RunLayout) -> str | None:
     return f"checkpoints/latest.json {what}: rebuilt from the newest whole checkpoint, step {whole[-1]}"
 
 
-def check_step_files(layout: RunLayout, start_step: int) -> list[str]:
-    """Validate every committed stage file of every step (footer, schema; a partial or corrupt file fails).
-    A bad file of a step the resume reruns (>= start_step) is removed with its metrics, so the stage runs
-    again; one of an earlier step, which nothing reruns, is moved aside to `<file>.corrupt`. One line each."""
+def check_step_files(layout: RunLayout, start_step: int, batches: Batches | None = None) -> list[str]:
+    """Validate every committed batch of every step (footer, schema; a partial or corrupt file fails).
+    A bad batch of a step the resume reruns (>= start_step) is removed with its metrics, so the stage runs
+    again; one of an earlier step, which nothing reruns, is moved aside to `<file>.corrupt`. One line each.
+    `batches`: the run's (flows/runtime/batches.py), its folder's Parquet files when not given."""
+    batches = StorageBatches(layout) if batches is None else batches
     lines = []
     for step in layout.step_folders(f"{layout.run_dir}/steps"):
-        for stage in sorted(layout.committed_stages(step)):
-            if validate_stage_file(layout, step, stage):
+        for stage in sorted(batches.committed_stages(step)):
+            if batches.readable(step, stage):
                 continue
-            path = layout.stage_path(step, stage)
             metrics = f"{layout.step_dir(step)}/{stage}.metrics.json"
             if step >= start_step:
-                layout.fs.rm(path)
+                batches.discard(step, stage)
                 if layout.fs.exists(metrics):
                     layout.fs.rm(metrics)
                 lines.append(f"steps/{step}/{stage}.parquet is corrupt or partial: removed, the stage runs again")
             else:
-                layout.fs.mv(path, f"{path}.corrupt")
+                batches.discard(step, stage, keep_aside=True)
                 lines.append(f"steps/{step}/{stage}.parquet is corrupt or partial: step {step} is before checkpoint "
                              f"{start_step}, where the run resumes, so nothing reruns it; moved to {stage}.parquet.corrupt")
     return lines

@@ -1,8 +1,8 @@
-"""How batches and weights move between roles: one small interface, two implementations.
+"""How the actor's weights move to the rollout: one small interface, several implementations.
 
-Stages never touch files directly: they write and read a step's batches and publish or receive the
-actor's weights through a `Transport`. Batches are always Parquet files of the run folder
-(storage/schema.py). Weights go one of two ways (`trainer.weight_sync`, `weight_sync_mode`):
+Stages never touch weight files directly: they publish or receive the actor's weights through a `Transport`.
+A step's batches go their own way (flows/runtime/batches.py). Weights go one of two ways (`trainer.weight_sync`,
+`weight_sync_mode`):
 
 - `StorageTransport`: every published policy is a safetensors folder `weights/actor/<k>` committed
   atomically, which the rollout engine reads back (any process, any host).
@@ -27,9 +27,7 @@ actor's weights through a `Transport`. Batches are always Parquet files of the r
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Protocol
-
-import pyarrow as pa
+from typing import Protocol
 
 from components.distributed import broadcast_call, full_state_dict, is_distributed, is_writer
 from components.precision import save_compute_copy
@@ -42,7 +40,7 @@ from components.weight_sync.versions import InMemoryWeights, copy_files, write_c
 from flows.config import Config, layout_for
 from flows.runtime.recovery import prune_weights
 from flows.runtime.stored_copy import claim, copy_due, release, start_copy, writer_gone
-from storage import COMMITTED_MARKER, RunLayout, atomic_directory, read_stage, write_bytes_atomic, write_stage
+from storage import COMMITTED_MARKER, RunLayout, atomic_directory, write_bytes_atomic
 
 STORED_COPY_WAIT_S = 300.0
 """How long a reader waits for a stored copy that another process is still writing in the background."""
@@ -51,12 +49,6 @@ ACK_TIMEOUT_S = 120.0
 
 
 class Transport(Protocol):
-    def write_batch(self, step: int, stage: str, columns: Mapping[str, Any]) -> str:
-        """Hand on a stage's output for `step`; returns where it is."""
-
-    def read_batch(self, step: int, stage: str, expected_uids: list[str] | None = None) -> pa.Table:
-        """A stage's output for `step`, checked against the rollout's sample ids when given."""
-
     def publish_weights(self, model, version: int, compute_dtype) -> str:
         """Hand on the actor's weights as policy `version` (a collective when the actor is sharded)."""
 
@@ -86,18 +78,10 @@ class Transport(Protocol):
 
 
 class StorageTransport:
-    """Batches and weights as files of the run folder (shared storage between processes and hosts)."""
+    """Weights as files of the run folder (shared storage between processes and hosts)."""
 
     def __init__(self, layout: RunLayout, keep_weights: int | None = None):
         self.layout, self.keep_weights = layout, keep_weights
-
-    def write_batch(self, step: int, stage: str, columns: Mapping[str, Any]) -> str:
-        # The other ranks of a sharded role computed the same values: rank 0 alone writes.
-        return write_stage(self.layout, step, stage, columns) if is_writer() else self.layout.stage_path(step, stage)
-
-    def read_batch(self, step: int, stage: str, expected_uids: list[str] | None = None) -> pa.Table:
-        return read_stage(self.layout, step, stage, expected_rows=None if expected_uids is None else len(expected_uids),
-                          expected_uids=expected_uids)
 
     def publish_weights(self, model, version: int, compute_dtype) -> str:
         path = self.layout.weights_dir("actor", version)
@@ -372,7 +356,7 @@ def stored_versions(config: Config):
 
 def transport_for(config: Config) -> Transport:
     """The run's transport: weights in memory (in process or streamed between workers) or through storage
-    (weight_sync_mode); batches on storage."""
+    (weight_sync_mode). Batches: flows/runtime/batches.py."""
     layout, trainer = layout_for(config), config.trainer
     if weight_sync_mode(config) == "storage":
         return StorageTransport(layout, trainer.keep_weights)

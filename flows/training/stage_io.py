@@ -1,6 +1,6 @@
-"""What every stage uses: its result (`StageResult`), its timings, the step's batches and the rollout's weights
-through the run's transport (flows/runtime/transport.py), and the scoring of a batch (the reward stage and
-validation alike).
+"""What every stage uses: its result (`StageResult`), its timings, the step's batches through the run's
+`Batches` (flows/runtime/batches.py), the rollout's weights through the run's transport
+(flows/runtime/transport.py), and the scoring of a batch (the reward stage and validation alike).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Iterator, TypedDict
 
 from components.rewards import score_responses
 from flows.config import Config
+from flows.runtime.batches import batches_for
 from flows.runtime.transport import transport_for
 from flows.training.roles import get_role
 
@@ -31,11 +32,11 @@ def timed(metrics: dict[str, float], name: str) -> Iterator[None]:
 def read_batch(config: Config, step: int, stage: str, rollout=None):
     """A stage's output for `step`, aligned to the rollout's samples when `rollout` is given."""
     expected = None if rollout is None else rollout.column("uid").to_pylist()
-    return transport_for(config).read_batch(step, stage, expected_uids=expected)
+    return batches_for(config).read(step, stage, expected_uids=expected)
 
 
 def write_batch(config: Config, step: int, stage: str, columns) -> str:
-    return transport_for(config).write_batch(step, stage, columns)
+    return batches_for(config).write(step, stage, columns)
 
 
 def sync_rollout_weights(config: Config, step: int, sync: str | None = None) -> dict[str, float]:

@@ -29,6 +29,7 @@ from components.models import resolve_dtype
 from components.rewards import RewardFunctionError
 from components.rollout import SamplingParams
 from flows.config import Config, layout_for
+from flows.runtime.batches import batches_for
 from flows.runtime.checkpoints import part_path, save_role_part
 from flows.runtime.transport import transport_for
 from flows.training.registry import STAGES, stage
@@ -273,10 +274,10 @@ def send_weights(config: Config, step: int, sync: str, for_stage: str, for_step:
     replaced actor that holds another version says so, and the rollout reads the stored copy. Validation's
     hand-overs are named under val-aux/, as on the rollout's side."""
     actor = get_role(config, "actor")
-    output = layout_for(config).stage_path(for_step, STAGES[for_stage].output)
-    fs = layout_for(config).fs
+    output, batches = STAGES[for_stage].output, batches_for(config)
     metrics = transport_for(config).send_weights(actor.model, step, resolve_dtype(config.model.compute_dtype), sync,
-                                                 holds=actor.state_step == step, finished=lambda: fs.exists(output))
+                                                 holds=actor.state_step == step,
+                                                 finished=lambda: batches.committed(for_step, output))
     return {"metrics": as_validations(metrics) if for_stage == "validate" else metrics}
 
 
@@ -294,7 +295,7 @@ def update_critic(config: Config, step: int) -> StageResult:
             batch, old_values=_per_token(read_batch(config, step, "values", rollout_table), "values", length),
             returns=_per_token(read_batch(config, step, "advantages", rollout_table), "returns", length)))
     critic.state_step = step + 1
-    return {"path": layout_for(config).stage_path(step, "advantages"), "metrics": metrics}
+    return {"path": batches_for(config).path(step, "advantages"), "metrics": metrics}
 
 
 def _prepare(config: Config, role: str) -> StageResult:

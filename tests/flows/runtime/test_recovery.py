@@ -10,6 +10,7 @@ import pytest
 from flows.runtime.recovery import (
     LATEST,
     RoleStateError,
+    check_step_files,
     commit_checkpoint,
     driver_state,
     finished_stage_metrics,
@@ -20,6 +21,7 @@ from flows.runtime.recovery import (
     state_source,
     write_run_record,
 )
+from flows.runtime.batches import StorageBatches
 from flows.training.registry import StageSpec
 from storage import RunLayout, write_stage
 
@@ -150,6 +152,41 @@ def test_a_stage_writing_weights_is_finished_once_they_are_committed(tmp_path, l
     assert finished_stage_metrics(layout, warm_start, None, None) is None  # a partial copy
     (weights / "_COMMITTED").write_text("committed\n")
     assert finished_stage_metrics(layout, warm_start, None, None) == {"warm_start/loss": 1.25}
+
+
+class _AskedBatches(StorageBatches):
+    """The run folder's batches, recording what recovery asks of them."""
+
+    def __init__(self, layout):
+        super().__init__(layout)
+        self.asked = []
+
+    def readable(self, step, stage, expected_rows=None):
+        self.asked.append(("readable", step, stage, expected_rows))
+        return super().readable(step, stage, expected_rows)
+
+    def discard(self, step, stage, keep_aside=False):
+        self.asked.append(("discard", step, stage, keep_aside))
+        super().discard(step, stage, keep_aside)
+
+
+def test_recovery_finds_and_repairs_batches_through_the_runs_batches(tmp_path, layout):
+    batches, reward = _AskedBatches(layout), _spec("reward", "reward")
+    for step in (1, 2, 3):
+        _reward_file(layout, step, 2)
+        record_stage_metrics(layout, reward, step, {"reward/mean": 0.5})
+    assert finished_stage_metrics(layout, reward, 1, 2, batches) == {"reward/mean": 0.5}
+    assert batches.asked == [("readable", 1, "reward", 2)]
+    for step in (1, 2):
+        (tmp_path / "r" / "steps" / str(step) / "reward.parquet").write_bytes(b"truncated")
+    batches.asked.clear()
+    lines = check_step_files(layout, 2, batches)  # a resume from checkpoint 2: step 1 is not rerun
+    assert [entry for entry in batches.asked if entry[0] == "discard"] == [("discard", 1, "reward", True),
+                                                                          ("discard", 2, "reward", False)]
+    assert len(lines) == 2 and "moved to reward.parquet.corrupt" in lines[0] and "runs again" in lines[1]
+    assert (tmp_path / "r" / "steps" / "1" / "reward.parquet.corrupt").exists()
+    assert not (tmp_path / "r" / "steps" / "2" / "reward.metrics.json").exists()
+    assert batches.committed_stages(3) == {"reward"} and finished_stage_metrics(layout, reward, 3, 2) is not None
 
 
 # --- checkpoints and the run record -----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""flows.runtime.transport on a run folder in tmp_path: batches round-trip as stage files; under storage
+"""flows.runtime.transport on a run folder in tmp_path (batches: test_batches.py): under storage
 sync the rollout engine gets the newest committed weights at or before a version, and published weights
 load again and are pruned; under memory sync it gets the live model and only checkpoint and final
 versions are stored, byte for byte as the storage path stores them."""
@@ -14,29 +14,12 @@ from safetensors.torch import load_file as safetensors_file
 from components.weight_sync.versions import InMemoryWeights
 from flows.config import build_config
 from flows.runtime.transport import MemoryTransport, StorageTransport, StreamTransport, transport_for, weight_sync_mode
-from storage import RunLayout, StorageFileError
+from storage import RunLayout
 
 
 @pytest.fixture
 def layout(tmp_path):
     return RunLayout(str(tmp_path), "r")
-
-
-def test_a_batch_written_reads_back_checked_against_the_rollouts_samples(tmp_path, layout):
-    transport = StorageTransport(layout)
-    path = transport.write_batch(2, "reward", {"uid": ["s2-0", "s2-1", "s2-2"], "score": [0.5, -1.0, 0.25]})
-    assert path == str(tmp_path / "r" / "steps" / "2" / "reward.parquet")
-    table = transport.read_batch(2, "reward")
-    assert table.column_names == ["uid", "score"]
-    assert table.column("uid").to_pylist() == ["s2-0", "s2-1", "s2-2"]
-    assert table.column("score").to_pylist() == [0.5, -1.0, 0.25]  # exact in float32
-    assert transport.read_batch(2, "reward", expected_uids=["s2-0", "s2-1", "s2-2"]).num_rows == 3
-    with pytest.raises(StorageFileError, match="1 of 3 uids differ from the expected order; first at row 2"):
-        transport.read_batch(2, "reward", expected_uids=["s2-0", "s2-1", "s2-9"])
-    with pytest.raises(StorageFileError, match="has 3 rows, expected 2"):
-        transport.read_batch(2, "reward", expected_uids=["s2-0", "s2-1"])
-    with pytest.raises(StorageFileError, match="stage file not found"):
-        transport.read_batch(3, "reward")
 
 
 def test_the_runs_transport_is_under_its_folder_with_its_weight_budget_and_sync_mode(tmp_path):
