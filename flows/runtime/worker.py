@@ -296,7 +296,7 @@ def settle_heap() -> None:
     transformers, Prefect and MLflow imported holds ~630k objects, whose full collection took 260 ms on a
     2-core machine; a collection stops every thread of the process, the actor's weights thread in the middle
     of a hand-over included. (With it, the actors' workers of four GPU runs made two collections of 5 ms or
-    more, 35 and 50 ms, none during a hand-over; the packing stalls point to the GIL: components/weights.py,
+    more, 35 and 50 ms, none during a hand-over; the packing stalls point to the GIL: components/weight_sync/buckets.py,
     PackPlan.)"""
     started = time.perf_counter()
     gc.collect()
