@@ -22,7 +22,6 @@ from typing import Iterator
 from prefect.logging.handlers import APILogWorker
 from prefect.settings import (PREFECT_API_URL, PREFECT_HOME, PREFECT_LOCAL_STORAGE_PATH, PREFECT_SERVER_ANALYTICS_ENABLED,
                               PREFECT_UI_URL, temporary_settings)
-from prefect.utilities.urls import url_for
 
 from flows.runtime.supervision import PARENT_PID_ENV, tied_to_this_process
 from flows.runtime.worker import HEARTBEAT_INTERVAL_S, RESULTS_SUBDIR, free_port, read_heartbeats
@@ -123,9 +122,13 @@ def flow_run_page(flow_run_id: str) -> str | None:
     """The flow run's page a user can open, the one its MLflow run's prefect.flow_run_url tag holds: with no
     PREFECT_API_URL set (the embedded server's run) under EMBEDDED_UI_URL, else on PREFECT_API_URL's server's UI;
     None when no UI is known."""
-    if not os.environ.get("PREFECT_API_URL"):
+    api_url = os.environ.get("PREFECT_API_URL")
+    if not api_url:
         return f"{EMBEDDED_UI_URL}/runs/flow-run/{flow_run_id}"
-    return url_for("flow-run", obj_id=str(flow_run_id)) or None
+    # The UI of the server PREFECT_API_URL names (PREFECT_UI_URL where the user set it), not the settings' UI URL
+    # of whatever server context is active in this process (an embedded one's, in a long-lived process).
+    ui_url = os.environ.get("PREFECT_UI_URL") or api_url.rstrip("/").removesuffix("/api")
+    return f"{ui_url.rstrip('/')}/runs/flow-run/{flow_run_id}"
 
 
 def _drain_logs() -> None:

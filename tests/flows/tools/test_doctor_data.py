@@ -75,7 +75,8 @@ def machine(tmp_path, monkeypatch, inputs):
 def overrides(machine, inputs, *extra: str, val: str = "validation") -> list[str]:
     return [f"run.storage_root={machine / 'runs'}", f"tracking.tracking_uri=sqlite:///{machine / 'mlflow' / 'db'}",
             f"model.path={inputs['model']}", f"data.train_files=[{inputs['train']}]",
-            f"data.val_files=[{inputs[val]}]", "trainer.device=cpu", "rollout.max_new_tokens=8", *extra]
+            f"data.val_files=[{inputs[val]}]", "data.prompts_per_step=4",  # of its 20 training prompts
+            "trainer.device=cpu", "rollout.max_new_tokens=8", *extra]
 
 
 def data_line(report: dict, spec: str, prompts: int) -> str:
@@ -223,7 +224,7 @@ def test_a_missing_model_or_bad_data_is_one_fail_line(machine, inputs, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert f"  FAIL  data    model.path={str(missing)!r} does not exist; give a local model folder or a Hugging Face " \
            "hub name (`rlhf make-tiny-model DIR` writes a tiny one)" in lines
-    assert lines[-1] == "FAIL: data (see the FAIL lines)"
+    assert lines[-1] == "FAIL: inputs, data (see the FAIL lines)"  # the preflight refuses it too
     config = build_config(None, overrides(machine, inputs, val="broken"))
     data = doctor.collect_report(config, data_prompts=16)["data"]
     assert data["status"] == "fail" and data["detail"].startswith(
