@@ -123,11 +123,18 @@ def _why(fs, path: str, state, error: BaseException) -> str:
 
 
 def _failed(fs, claim_path: str, why: str) -> None:
-    try:
-        write_bytes_atomic(fs, claim_path, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                                       "error": why}).encode())
-    except OSError:
-        pass
+    """Say in the claim why the part will not be committed. On a full disk the claim itself may not be
+    rewritable: it is removed first (which frees its room) and written again; failing that too, no claim is
+    left, so the waiting driver is told that nobody writes the part (stored_copy.writer_gone) instead of
+    waiting for ever on a writer that is alive but done."""
+    payload = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "error": why}).encode()
+    for attempt in range(2):
+        try:
+            write_bytes_atomic(fs, claim_path, payload)
+            return
+        except OSError:
+            if attempt == 0:
+                release(fs, claim_path)
 
 
 def _start(key: str, write, name: str) -> None:

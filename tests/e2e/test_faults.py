@@ -371,7 +371,13 @@ def test_a_full_disk_ends_the_run_with_one_line_and_a_resume_finishes_it(local_b
         driver = _rlhf(tmp_path, env, "train", _config_file(tmp_path, config))
         _wait_for(Path(RunLayout(config.run.storage_root, "local").stage_path(1, "rollout")), driver)
         ballast = disk / "ballast"
-        subprocess.run(["dd", "if=/dev/zero", f"of={ballast}", "bs=1M"], capture_output=True)  # until it is full
+        # The 3-step run ends about a second after this point: it is frozen (its whole session) while the disk
+        # fills, or on a fast machine it could finish first and on a slow one the race decided where it failed.
+        os.killpg(driver.pid, signal.SIGSTOP)
+        try:
+            subprocess.run(["dd", "if=/dev/zero", f"of={ballast}", "bs=1M"], capture_output=True)  # until full
+        finally:
+            os.killpg(driver.pid, signal.SIGCONT)
         _, stderr = driver.communicate(timeout=300)
         assert driver.returncode == 2, stderr
         errors = [line for line in stderr.splitlines() if line.startswith("error:")]

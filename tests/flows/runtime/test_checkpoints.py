@@ -161,3 +161,34 @@ def test_a_part_written_at_once_that_fails_names_the_free_space_against_the_part
                        r"the part holds [0-9.]+ GiB\)$"):
         save_role_part(config, 4, "actor", _actor(model_path))
     assert not os.path.exists(part_path(layout_for(config), 4, "actor"))
+
+
+@pytest.mark.parametrize("room_after_removing_the_claim", [True, False])
+def test_a_part_that_fails_on_a_disk_too_full_to_say_so_is_not_waited_for(model_path, tmp_path, monkeypatch,
+                                                                         room_after_removing_the_claim):
+    """The writer cannot rewrite its claim with the error (the disk is full): it removes the claim and tries
+    again; the driver learns the error, or with no room at all that nobody writes the part, and does not wait
+    for ever on a live writer (CI: a full-disk drill hung here for 300 s)."""
+    config = _config(tmp_path)
+    layout = layout_for(config)
+    written = checkpoints.write_bytes_atomic
+    refusals = iter([True, not room_after_removing_the_claim])
+
+    def full_disk(fs, path, payload):
+        if path.endswith(".writer.json") and b'"error"' in payload and next(refusals, False):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return written(fs, path, payload)
+
+    monkeypatch.setattr(checkpoints, "write_bytes_atomic", full_disk)
+    monkeypatch.setattr("flows.runtime.stored_copy.UNCLAIMED_COPY_WAIT_S", 0.5)
+    gate = _Gate(monkeypatch, fail=True)
+    save_role_part(config, 2, "actor", _actor(model_path))
+    gate.open.set()
+    with pytest.raises(OSError):
+        finish_writing(f"{layout.run_dir}/actor")
+    why = wait_written(layout, 2, "actor")
+    if room_after_removing_the_claim:
+        assert why.startswith(f"writing it failed in pid {os.getpid()} on ") and "No space left" in why, why
+    else:
+        assert why == "no process is writing it"
+        assert not os.path.exists(f"{part_path(layout, 2, 'actor')}.writer.json")
