@@ -8,6 +8,7 @@ Usable on its own:
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -15,7 +16,9 @@ from pydantic import Field
 
 from components.algorithms import aggregate_loss, get_policy_loss, kl_loss, logprob_gap
 from components.algorithms.fused import logprobs_and_entropy
+from components.distributed import is_distributed
 from components.batch import PaddingPlan, SequenceBatch, micro_batches, model_logits, pad_responses
+from components.lora import MergedWeights, apply_lora, is_lora, load_adapter
 from components.models import load_causal_lm, load_tokenizer
 from components.precision import Precision, prepare_trained_model
 from components.rollout import HFRolloutEngine, SamplingParams
@@ -102,7 +105,7 @@ class Actor:
     """Policy model + optimizer. `temperature` must match the rollout's sampling temperature."""
 
     def __init__(self, model, tokenizer, config=None, *, temperature: float = 1.0, seed: int = 0, fused: bool = True,
-                 samples_per_prompt: int = 1):
+                 samples_per_prompt: int = 1, compute_dtype: torch.dtype | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or ActorConfig()
@@ -111,29 +114,56 @@ class Actor:
         """Log-probs and entropy by the fused kernel on CUDA (model.fused_logprobs)."""
         self.updater = Updater(model, self.config, seed, samples_per_prompt)
         """Its mini-batches hold config.ppo_mini_batch_size x samples_per_prompt (rollout.n) samples."""
+        self.lock = threading.RLock()
+        """Held by every pass over the model: a LoRA run's reference disables the adapter of this same model
+        (components.lora.AdapterReference), and stages run concurrently on threads."""
+        self.compute_dtype = compute_dtype
+        """The dtype the merged LoRA weights are handed over in (None: the masters')."""
+        self._merged = None
+
+    @property
+    def policy_model(self):
+        """What the rollout gets the weights of: the model itself, or with LoRA its merged view (base names,
+        W + delta; components.lora.MergedWeights)."""
+        if not is_lora(self.model):
+            return self.model
+        if self._merged is None:
+            self._merged = MergedWeights(self.model, self.compute_dtype)
+        return self._merged
 
     @classmethod
     def from_pretrained(cls, path: str, config=None, *, dtype="float32", master_dtype="float32", device="auto",
                         attn_implementation="auto", trust_remote_code=False, temperature=1.0, seed=0, fused=True,
-                        gradient_checkpointing=False, samples_per_prompt=1):
+                        gradient_checkpointing=False, samples_per_prompt=1, lora: dict | None = None,
+                        adapter: str | None = None):
         """dtype: the compute dtype; master_dtype: the parameters' and optimizer state's (components.precision:
-        float32 masters computing in bf16 under autocast, or FSDP2's mixed precision when sharded)."""
+        float32 masters computing in bf16 under autocast, or FSDP2's mixed precision when sharded).
+        lora: components.lora.apply_lora's settings (rank, alpha, dropout, target_modules), None: full fine-tuning;
+        adapter: a LoRA checkpoint folder whose adapter is loaded onto the base model at `path`."""
         precision = Precision.of(dtype, master_dtype)
         model = load_causal_lm(path, dtype=precision.master, compute_dtype=precision.compute, device=device,
                                attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+        if lora is not None:
+            if is_distributed():
+                raise ValueError("model.lora_rank > 0 is not supported yet with a sharded (FSDP) actor; place the "
+                                 "actor on one GPU or set model.lora_rank=0")
+            model = apply_lora(model, **lora)
+            if adapter is not None:
+                load_adapter(model, adapter)
         prepare_trained_model(model, precision, gradient_checkpointing)
         tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
         return cls(model, tokenizer, config, temperature=temperature, seed=seed, fused=fused,
-                   samples_per_prompt=samples_per_prompt)
+                   samples_per_prompt=samples_per_prompt, compute_dtype=precision.compute)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def compute_logprobs(self, batch: SequenceBatch, with_entropy: bool = False):
-        return sequence_logprobs(self.model, batch, temperature=self.temperature,
-                                 micro_batch_size=self.config.micro_batch_size, with_entropy=with_entropy,
-                                 fused=self.fused)
+        with self.lock:
+            return sequence_logprobs(self.model, batch, temperature=self.temperature,
+                                     micro_batch_size=self.config.micro_batch_size, with_entropy=with_entropy,
+                                     fused=self.fused)
 
     def update(self, batch: SequenceBatch, *, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor | None = None,
@@ -189,7 +219,8 @@ class Actor:
                 metrics.update(kl_metrics)
             return loss, metrics
 
-        metrics = self.updater.update(response_mask, micro_loss, prefix="actor", row_lengths=plan.lengths)
+        with self.lock:
+            metrics = self.updater.update(response_mask, micro_loss, prefix="actor", row_lengths=plan.lengths)
         gap = {name: float(value) for name, value in gap.items()}
         if rollout_logprobs is not None and (gap["tokens"] or gap["nonfinite"]):  # none measured: no metric
             metrics["rollout/logprob_diff_mean"] = (gap["sum"] / max(gap["tokens"], 1.0) if not gap["nonfinite"]

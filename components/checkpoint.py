@@ -1,6 +1,7 @@
 """Checkpoints of a trainable role: weights, optimizer, schedule, update count and RNG state.
 
-A role checkpoint is a Hugging Face folder (so it also loads as a model) plus `trainer_state.pt`,
+A role checkpoint is a Hugging Face folder (so it also loads as a model; with LoRA a peft adapter folder, the
+base being the run's initial policy) plus `trainer_state.pt`,
 written through storage.atomic_directory (temporary name, then rename, `_COMMITTED` last): a crash
 or a full disk while writing leaves the previous checkpoint as it was. With a sharded (FSDP) role
 every rank takes part in gathering the state and rank 0 writes it.
@@ -17,8 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from components.distributed import full_state_dict, is_distributed, is_writer
+from components.lora import ADAPTER_WEIGHTS, adapter_state_dict, is_lora
 from components.training import Updater, make_optimizer
 from storage import atomic_directory
 
@@ -107,7 +110,7 @@ def role_state(model, updater: Updater, tokenizer=None, host_copy: bool = False,
     `host_copy`: copied into host memory, so that it stays as it is while the role trains on (a sharded
     role's is gathered into new host tensors anyway), into `host_buffers` (see _on_host) when given: the
     caller keeps them for its next copy once this one is written."""
-    weights = full_state_dict(model)
+    weights = adapter_state_dict(model) if is_lora(model) else full_state_dict(model)  # LoRA: the adapter alone
     optimizer = _optimizer_state(updater)
     if not is_writer():
         return None
@@ -122,7 +125,11 @@ def role_state(model, updater: Updater, tokenizer=None, host_copy: bool = False,
 def write_role_state(fs, path: str, state: RoleState) -> None:
     """Write a role's state to `path` (a folder on the run's filesystem), committed atomically."""
     with atomic_directory(fs, path) as local:
-        state.model.save_pretrained(local, state_dict=state.weights)
+        if is_lora(state.model):  # a peft adapter folder (the base is the run's initial policy)
+            state.model.peft_config["default"].save_pretrained(local)
+            save_file(state.weights, f"{local}/{ADAPTER_WEIGHTS}", metadata={"format": "pt"})
+        else:
+            state.model.save_pretrained(local, state_dict=state.weights)
         if state.tokenizer is not None:
             state.tokenizer.save_pretrained(local)
         torch.save(state.trainer_state, f"{local}/{TRAINER_STATE}")

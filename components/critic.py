@@ -11,6 +11,8 @@ from pydantic import Field
 
 from components.algorithms import value_loss
 from components.batch import PaddingPlan, SequenceBatch, micro_batches, pad_responses
+from components.distributed import is_distributed
+from components.lora import apply_lora, load_adapter
 from components.models import load_pretrained
 from components.models import model_source
 from components.precision import Precision, prepare_trained_model
@@ -52,8 +54,9 @@ class Critic:
     @classmethod
     def from_pretrained(cls, path: str, config=None, *, dtype="float32", master_dtype="float32", device="auto",
                         attn_implementation="auto", trust_remote_code=False, seed=0, gradient_checkpointing=False,
-                        samples_per_prompt=1):
-        """dtype: the compute dtype; master_dtype: the parameters' and optimizer state's (as for the actor)."""
+                        samples_per_prompt=1, lora: dict | None = None, adapter: str | None = None):
+        """dtype: the compute dtype; master_dtype: the parameters' and optimizer state's (as for the actor).
+        lora, adapter: as the actor's (components.lora); the value head trains in full beside the adapters."""
         # on use: transformers takes about a second to import; the config, the CLI and doctor import this module
         from transformers import AutoConfig, AutoModelForTokenClassification
 
@@ -67,6 +70,13 @@ class Critic:
                                 compute_dtype=precision.compute, device=device,
                                 attn_implementation=attn_implementation,
                                 trust_remote_code=trust_remote_code, config=model_config)
+        if lora is not None:
+            if is_distributed():
+                raise ValueError("model.lora_rank > 0 is not supported yet with a sharded (FSDP) critic; place the "
+                                 "critic on one GPU or set model.lora_rank=0")
+            model = apply_lora(model, **lora, task_type="TOKEN_CLS")
+            if adapter is not None:
+                load_adapter(model, adapter)
         prepare_trained_model(model, precision, gradient_checkpointing)
         return cls(model, config, seed=seed, samples_per_prompt=samples_per_prompt)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 
 from components.settings import Section
 
@@ -268,3 +268,25 @@ class ModelConfig(Section):
     from_run: str | None = None
     """Start from the latest committed actor weights of this earlier run (under run.storage_root),
     e.g. a nightly run continuing yesterday's; model.path still gives the tokenizer."""
+    lora_rank: int = Field(0, ge=0)
+    """LoRA rank of the trained roles (actor, critic), as verl's model.lora_rank; 0: off, full fine-tuning. On:
+    only the adapters (peft) train and hold AdamW state, the rollout gets the merged weights, the reference is the
+    base model with the adapter disabled (components/lora.py). LoRA usually wants about 10x full fine-tuning's lr."""
+    lora_alpha: float = Field(16, gt=0)
+    """LoRA scaling numerator: the adapter's delta is (lora_alpha / lora_rank) * B @ A."""
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' inputs while training (0: the update's forward equals the log-prob pass's)."""
+    target_modules: str | list[str] = "all-linear"
+    """The layers that get adapters: all-linear (every linear layer but the LM head) or a list of module names
+    (e.g. [q_proj, k_proj, v_proj, o_proj])."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _check_target_modules(cls, value):
+        if isinstance(value, str):
+            if value != "all-linear":
+                raise ValueError("give 'all-linear' or a list of module names, e.g. [q_proj, v_proj]")
+            return value
+        if not value or not all(isinstance(name, str) and name.strip() for name in value):
+            raise ValueError("give 'all-linear' or a non-empty list of module names, e.g. [q_proj, v_proj]")
+        return value

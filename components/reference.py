@@ -1,4 +1,5 @@
-"""The reference policy: a frozen copy of the initial policy, for the KL term."""
+"""The reference policy: a frozen copy of the initial policy, for the KL term; with LoRA the actor's own model
+with its adapter disabled (`AdapterReference`)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,22 @@ class Reference:
         logprobs, _ = sequence_logprobs(self.model, batch, temperature=self.temperature,
                                         micro_batch_size=self.micro_batch_size, fused=self.fused)
         return logprobs
+
+
+class AdapterReference:
+    """The reference policy of a LoRA run: the actor's own model with its adapter disabled (no second copy).
+
+    `actor` is a callable returning the resident actor (it may be rebuilt between steps); the actor's lock keeps
+    its other passes off the model while the adapter is disabled (stages run concurrently on threads)."""
+
+    def __init__(self, actor, *, micro_batch_size: int = 64):
+        self._actor = actor
+        self.micro_batch_size = micro_batch_size
+
+    def compute_logprobs(self, batch) -> torch.Tensor:
+        actor = self._actor()
+        with actor.lock, actor.model.disable_adapter():
+            logprobs, _ = sequence_logprobs(actor.model, batch, temperature=actor.temperature,
+                                            micro_batch_size=self.micro_batch_size, fused=actor.fused)
+        return logprobs
+

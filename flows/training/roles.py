@@ -19,8 +19,9 @@ from components.checkpoint import load_trainer_state
 from components.critic import Critic
 from components.data import load_prompts
 from components.distributed import is_distributed
+from components.lora import lora_settings
 from components.models import compile_layers, load_tokenizer, resolve_device, resolve_dtype
-from components.reference import Reference
+from components.reference import AdapterReference, Reference
 from components.rewards import RewardModel, load_reward_function
 from components.rollout import HFRolloutEngine
 from components.vllm_data_parallel import DataParallelRollout
@@ -88,12 +89,22 @@ def _build_rollout(config: Config):
                                            **_model_kwargs(config))
 
 
+def _trained_source(config: Config, checkpoint: str | None, initial: str) -> dict:
+    """Where a trained role's model comes from: the checkpoint's folder, or with LoRA (model.lora_rank) the
+    initial model with the checkpoint's adapter on it (a LoRA checkpoint holds the adapter only)."""
+    lora = lora_settings(config.model)
+    if lora is None:
+        return dict(path=checkpoint or initial)
+    return dict(path=initial, lora=lora, adapter=checkpoint)
+
+
 def _build_actor(config: Config, restore: int | None | object = LATEST):
     restored, checkpoint = restore_point(layout_for(config), "actor", restore)
-    actor = Actor.from_pretrained(checkpoint or initial_policy_path(config), config.actor,
+    source = _trained_source(config, checkpoint, initial_policy_path(config))
+    actor = Actor.from_pretrained(source.pop("path"), config.actor,
                                   temperature=config.rollout.temperature, seed=config.trainer.seed,
                                   fused=config.model.fused_logprobs, samples_per_prompt=config.rollout.n,
-                                  **_trained_kwargs(config))
+                                  **source, **_trained_kwargs(config))
     _compile_if_asked(config, actor.model)
     _restore_trainer_state(actor.updater, checkpoint)
     actor.state_step = restored or 0
@@ -148,6 +159,10 @@ def _compile_if_asked(config: Config, model) -> None:
 
 
 def _build_reference(config: Config):
+    if lora_settings(config.model) is not None and config.trainer.execution == "local":
+        # The base model is the actor's with its adapter disabled: no second copy (as verl does). Under workers
+        # the reference's own worker loads the initial policy, which is the same base.
+        return AdapterReference(lambda: get_role(config, "actor"), micro_batch_size=config.actor.micro_batch_size)
     return Reference.from_pretrained(initial_policy_path(config), temperature=config.rollout.temperature,
                                      micro_batch_size=config.actor.micro_batch_size, fused=config.model.fused_logprobs,
                                      **_model_kwargs(config))
@@ -159,9 +174,9 @@ def _build_critic(config: Config, restore: int | None | object = LATEST):
     # ran before in this process (a resumed run skips some), and leave the global RNG untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.trainer.seed)
-        critic = Critic.from_pretrained(checkpoint or config.critic.model_path or initial_policy_path(config),
-                                        config.critic, seed=config.trainer.seed, samples_per_prompt=config.rollout.n,
-                                        **_trained_kwargs(config))
+        source = _trained_source(config, checkpoint, config.critic.model_path or initial_policy_path(config))
+        critic = Critic.from_pretrained(source.pop("path"), config.critic, seed=config.trainer.seed,
+                                        samples_per_prompt=config.rollout.n, **source, **_trained_kwargs(config))
     _compile_if_asked(config, critic.model)
     _restore_trainer_state(critic.updater, checkpoint)
     critic.state_step = restored or 0

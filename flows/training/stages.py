@@ -261,7 +261,7 @@ def update_actor(config: Config, step: int) -> StageResult:
             f"{int(metrics.get('actor/nonfinite_samples', 0))} sample(s); the step stops here and the latest "
             "checkpoint stays as it was")
     with timed(metrics, "save_weights"):  # for the rollout of step+1
-        path = transport.publish_weights(actor.model, step + 1, resolve_dtype(config.model.compute_dtype))
+        path = transport.publish_weights(actor.policy_model, step + 1, resolve_dtype(config.model.compute_dtype))
     actor.state_step = step + 1
     return {"path": path, "metrics": metrics}
 
@@ -275,8 +275,8 @@ def send_weights(config: Config, step: int, sync: str, for_stage: str, for_step:
     hand-overs are named under val-aux/, as on the rollout's side."""
     actor = get_role(config, "actor")
     output, batches = STAGES[for_stage].output, batches_for(config)
-    metrics = transport_for(config).send_weights(actor.model, step, resolve_dtype(config.model.compute_dtype), sync,
-                                                 holds=actor.state_step == step,
+    metrics = transport_for(config).send_weights(actor.policy_model, step, resolve_dtype(config.model.compute_dtype),
+                                                 sync, holds=actor.state_step == step,
                                                  finished=lambda: batches.committed(for_step, output))
     return {"metrics": as_validations(metrics) if for_stage == "validate" else metrics}
 
