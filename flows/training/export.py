@@ -8,7 +8,8 @@ generation_config.json from `save_pretrained`, plus the `_COMMITTED` marker). On
 output (`weights/actor/0`) carries tokenizer files, so the tokenizer comes from the run's config
 (`<run_dir>/run.json`: `config.model.path`), or from `--tokenizer PATH`. The result loads as is with
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` and with vLLM
-(`vllm serve DIR`).
+(`vllm serve DIR`). A LoRA run's weights are published merged; its adapter (the step's actor checkpoint)
+is copied beside them as `adapter/` when that step has a checkpoint.
 
 The export is built in a temporary sibling and renamed into place, so a folder under the final name
 is always complete. It also holds `rlhf_export.json` (run, step, sources); an existing output folder
@@ -38,6 +39,9 @@ DEFAULT_STORAGE_ROOT = ".rlhf/runs"
 RUN_FILE = "run.json"
 EXPORT_INFO = "rlhf_export.json"
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "tokenizer.model")
+ADAPTER_FOLDER = "adapter"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+"""A LoRA run's actor checkpoint (a peft folder); the export copies it as `adapter/` beside the merged model."""
 
 
 def _join(base: str, *parts) -> str:
@@ -145,9 +149,23 @@ def _ensure_generation_config(folder: Path, tokenizer_source: str) -> None:
     generation.save_pretrained(folder)
 
 
+def _copy_adapter(layout: RunLayout, step: int, staging: Path) -> str | None:
+    """A LoRA run (model.lora_rank > 0): the adapter of the step's actor checkpoint as `adapter/` (the published
+    weights are already merged); its adapter_config.json names the base it applies to (the run's initial
+    policy). Returns the checkpoint folder's URI, or None when the step has no adapter checkpoint."""
+    checkpoint = _join(layout.checkpoint_dir(step), "actor")
+    if not all(layout.fs.exists(_join(checkpoint, name)) for name in (*ADAPTER_FILES, COMMITTED_MARKER)):
+        return None
+    (staging / ADAPTER_FOLDER).mkdir()
+    for name in ADAPTER_FILES:
+        layout.fs.get_file(_join(checkpoint, name), str(staging / ADAPTER_FOLDER / name))
+    return layout.fs.unstrip_protocol(checkpoint)
+
+
 def _build(layout: RunLayout, step: int, staging: Path, tokenizer: tuple[list, bool]) -> None:
     weights = layout.weights_dir("actor", step)
     _copy_weights(layout.fs, weights, staging)
+    adapter = _copy_adapter(layout, step, staging)
     if not (staging / "config.json").exists():
         raise ValueError(f"{weights}: no config.json; not a save_pretrained folder")
     loaded, source = _load_run_tokenizer(*tokenizer, staging)
@@ -156,6 +174,8 @@ def _build(layout: RunLayout, step: int, staging: Path, tokenizer: tuple[list, b
     weights_uri = layout.fs.unstrip_protocol(weights)
     info = {"run": layout.run_name, "step": step, "weights": weights_uri,
             "tokenizer": weights_uri if source == str(staging) else source, "storage_root": layout.root}
+    if adapter is not None:
+        info["adapter"] = adapter
     (staging / EXPORT_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 

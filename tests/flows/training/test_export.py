@@ -138,3 +138,42 @@ def test_refuses_to_replace_an_unrelated_folder_and_unknown_runs(run_root, tmp_p
     assert (unrelated / "notes.txt").read_text() == "keep me"
     with pytest.raises(ValueError, match="no run folder"):
         export_run(str(root), "nope")
+
+
+def test_a_lora_run_exports_the_merged_model_and_its_adapter(tmp_path, tiny_model_dir):
+    """model.lora_rank > 0: the published weights are merged (what transformers loads, with the adapted model's
+    logits); the step's actor checkpoint gives `adapter/`, which peft puts back on the base."""
+    import fsspec
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from components.actor import Actor, ActorConfig
+    from components.batch import build_sequence_batch, model_logits
+    from components.checkpoint import save_role_checkpoint
+    from components.precision import save_compute_copy
+
+    actor = Actor.from_pretrained(str(tiny_model_dir), ActorConfig(ppo_mini_batch_size=2, micro_batch_size=2,
+                                                                   optim={"lr": 1e-2}),
+                                  device="cpu", lora=dict(rank=4, alpha=16, dropout=0.0, target_modules="all-linear"))
+    batch = build_sequence_batch([[1, 2], [3], [4, 5], [6]], [[7, 8], [9], [10], [11, 12]], 0)
+    for _ in range(2):
+        logprobs, _ = actor.compute_logprobs(batch)
+        actor.update(batch, old_logprobs=logprobs, advantages=torch.tensor([[1.0, 1.0], [-1.0, 0.0], [0.5, 0.0],
+                                                                             [-0.5, 1.0]]))
+    layout = RunLayout(str(tmp_path / "runs"), RUN)
+    with atomic_directory(layout.fs, layout.weights_dir("actor", 2)) as local:  # as the transport publishes it
+        save_compute_copy(actor.policy_model, local, actor.policy_model.state_dict(), torch.float32)
+    save_role_checkpoint(fsspec.filesystem("file"), f"{layout.checkpoint_dir(2)}/actor", actor.model, actor.updater)
+    (Path(layout.run_dir) / "run.json").write_text(json.dumps(
+        {"config": {"model": {"path": str(tiny_model_dir)}}, "started": "now"}))
+
+    export = export_run(str(tmp_path / "runs"), RUN, output=tmp_path / "export")
+    with torch.no_grad():
+        expected = model_logits(actor.model.eval(), batch)
+        merged = AutoModelForCausalLM.from_pretrained(export).eval()
+        torch.testing.assert_close(model_logits(merged, batch), expected, rtol=0, atol=1e-5)
+        assert sorted(p.name for p in (export / "adapter").iterdir()) == ["adapter_config.json",
+                                                                          "adapter_model.safetensors"]
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), export / "adapter")
+        torch.testing.assert_close(model_logits(adapted.eval(), batch), expected, rtol=0, atol=1e-5)
+    assert json.loads((export / EXPORT_INFO).read_text())["adapter"].endswith("checkpoints/2/actor")
