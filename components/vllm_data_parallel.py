@@ -27,8 +27,13 @@ class DataParallelRollout:
     Each engine has its own engine-core process, so their per-step CPU work (scheduling, sampling,
     output handling) runs in parallel, which a small model's decoding may be waiting on. The batch's
     result is the one engine's, prompt for prompt: seeds and the prompts given log-probs are those
-    of the whole batch.
+    of the whole batch. Implements `components.protocols.RolloutRole` (built by flows.training.engines for
+    rollout.engine=vllm with rollout.engines > 1).
     """
+
+    weights_version: int | None
+    last_metrics: dict[str, float]
+    """The slowest engine's value of each metric of the last call."""
 
     def __init__(self, engines: list[VLLMRolloutEngine]):
         if not engines:
@@ -36,8 +41,8 @@ class DataParallelRollout:
         self.engines = engines
         self.tokenizer = engines[0].tokenizer
         self.start_seconds = sum(engine.start_seconds for engine in engines)
-        self.weights_version: int | None = None
-        self.last_metrics: dict[str, float] = {}
+        self.weights_version = None
+        self.last_metrics = {}
 
     @property
     def weights_path(self) -> str | None:

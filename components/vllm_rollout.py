@@ -18,6 +18,7 @@ and components/vllm_data_parallel.py (several engines side by side, rollout.engi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import time
@@ -51,7 +52,11 @@ class VLLMRolloutEngine:
 
     `close` may come from another thread while a call runs (a stop releases the run's roles while its stage still
     generates): every later use of the engine raises EngineStoppedError, and so does a generation that vLLM's
-    shutdown ended early, whose requests it returns cut short."""
+    shutdown ended early, whose requests it returns cut short. Registered as `vllm` (flows.training.engines)."""
+
+    weights_version: int | None
+    last_metrics: dict[str, float]
+    asleep: bool
 
     def __init__(self, path: str, *, dtype: str = "auto", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, kv_cache_gib: float | None = None, max_model_len: int,
@@ -100,7 +105,7 @@ class VLLMRolloutEngine:
         # Every eos the model declares, as stop tokens besides the tokenizer's (vLLM adds generation_config's
         # itself; named here so that both engines stop at the same tokens whatever vLLM's version does).
         self.eos_token_ids = eos_ids(self.tokenizer, declared_eos_ids(path, trust_remote_code))
-        self.weights_version: int | None = None
+        self.weights_version = None
         self.weights_source: str | InMemoryWeights = path
         """Where the engine's weights came from (and are reloaded from on wake): the initial model's folder,
         then each published policy, a stored copy or the actor's live model."""
@@ -113,7 +118,7 @@ class VLLMRolloutEngine:
         """How the last in-memory load went in the workers: 'direct' or 'layerwise' (components/weight_sync/vllm_worker.py)."""
         self.sleep_enabled = sleep
         self.asleep = False
-        self.last_metrics: dict[str, float] = {}
+        self.last_metrics = {}
         """Timings of the last call (timing_s/wake, timing_s/sleep, timing_s/weight_load)."""
 
     @property
@@ -382,9 +387,7 @@ def _sampled_logprobs(logprobs, tokens: list[int]) -> list[float]:
 def check_engine_kwargs(engine_kwargs: dict) -> None:
     """ValueError (one line) for a name in rollout.engine_kwargs that vLLM's engine does not take: before LLM()
     loads the model, where vLLM would fail with a TypeError deep in its start."""
-    import dataclasses  # on use, beside vLLM's own import
-
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.arg_utils import EngineArgs  # deferred: vLLM is imported by the engine's start (15-20 s)
 
     known = {field.name for field in dataclasses.fields(EngineArgs)}
     unknown = sorted(set(engine_kwargs) - known)

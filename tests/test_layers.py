@@ -89,9 +89,11 @@ def test_no_import_cycle():
 
 
 LAZY_PROJECT_IMPORTS = {
-    "flows.tools.cli": "the CLI imports a command's modules when it runs (`rlhf --help` in about a second)",
+    "flows.tools.cli": "the flow's and the worker's modules (transformers, Prefect's engine) load in the commands "
+                       "that run them, after the config is checked; the parser's modules are at the top",
     "flows.tools.compare": "tracking imports mlflow, needed only when the command runs",
-    "flows.tools.submit": "the flow's config resolution imports torch and Prefect, needed only when the command runs",
+    "flows.tools.submit": "the flow's config resolution imports transformers and the stages, needed only when the "
+                          "command runs",
     "flows.training.registry": "the Prefect task wrapper: the registry stays importable without Prefect",
 }
 

@@ -31,6 +31,7 @@ from typing import Protocol
 
 from components.distributed import broadcast_call, full_state_dict, is_distributed, is_writer
 from components.precision import save_compute_copy
+from components.protocols import RolloutRole
 from components.weight_sync.buckets import compute_tensors
 from components.weight_sync.channel import Channel, StreamError
 from components.weight_sync.receiver import LOAD_PARTS, RemoteWeights, WeightsUnavailable, abort
@@ -52,7 +53,7 @@ class Transport(Protocol):
     def publish_weights(self, model, version: int, compute_dtype) -> str:
         """Hand on the actor's weights as policy `version` (a collective when the actor is sharded)."""
 
-    def sync_weights(self, engine, version: int, sync: str | None = None) -> dict[str, float]:
+    def sync_weights(self, engine: RolloutRole, version: int, sync: str | None = None) -> dict[str, float]:
         """Give `engine` the newest published policy at or before `version`, unless it holds it already
         (`sync`: the driver's name for this hand-over, when the actor's worker streams it: `streams`)."""
 
@@ -130,7 +131,7 @@ class StorageTransport:
         """Where the writer of the stored copy of `version` claims it (flows/runtime/stored_copy.py: claim)."""
         return f"{self.layout.run_dir}/weights/actor/{version}.writer.json"
 
-    def sync_weights(self, engine, version: int, sync: str | None = None) -> dict[str, float]:
+    def sync_weights(self, engine: RolloutRole, version: int, sync: str | None = None) -> dict[str, float]:
         # The newest committed copy at or before `version` (a resumed run may hold newer ones already).
         for candidate in range(version, -1, -1):
             path = self.layout.weights_dir("actor", candidate)
@@ -190,7 +191,7 @@ class MemoryTransport(StorageTransport):
         if pending is not None:
             pending.written.result()  # a failed snapshot or write raises here: in the checkpoint or export that needed it
 
-    def sync_weights(self, engine, version: int, sync: str | None = None) -> dict[str, float]:
+    def sync_weights(self, engine: RolloutRole, version: int, sync: str | None = None) -> dict[str, float]:
         published = _PUBLISHED.get(self.layout.run_dir)
         if published is None or published.version != version or not published.available:
             return self._stored_exactly(engine, version)
@@ -198,7 +199,7 @@ class MemoryTransport(StorageTransport):
         self.handed_over(version)
         return metrics
 
-    def _stored_exactly(self, engine, version: int, why: str = "it is not in this process's memory") -> dict:
+    def _stored_exactly(self, engine: RolloutRole, version: int, why: str = "it is not in this process's memory") -> dict:
         """The stored copy of exactly `version` (a resumed run, a stream that failed; an older copy would be
         silently wrong); the initial policy (version 0) is the engine's own or weights/actor/0."""
         if version == 0:
@@ -289,7 +290,7 @@ class StreamTransport(MemoryTransport):
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def sync_weights(self, engine, version: int, sync: str | None = None) -> dict[str, float]:
+    def sync_weights(self, engine: RolloutRole, version: int, sync: str | None = None) -> dict[str, float]:
         if sync is None or not self.streams(version):
             return self._stored_exactly(engine, version, why="no stream was arranged for it")
         remote = RemoteWeights(self._read_channel, sync=sync, version=version, timeout_s=self.timeout_s,
@@ -308,7 +309,7 @@ class StreamTransport(MemoryTransport):
                 return {**self._stored_exactly(engine, version, why=str(error)), "weights/stream_fallback": 1.0}
             engine.weights_version = version
             # the parts of it: the wait for the sender's answer, the engine's wake and load (vLLM)
-            parts = {name: value for name, value in getattr(engine, "last_metrics", {}).items()
+            parts = {name: value for name, value in engine.last_metrics.items()
                      if name in ("timing_s/wake", "timing_s/weight_load", *LOAD_PARTS)}
             trace("sync.end", version=version)
             return {"timing_s/weight_sync": time.perf_counter() - started, "timing_s/weight_wait": remote.waited_s,
@@ -320,12 +321,12 @@ class StreamTransport(MemoryTransport):
         abort(self._read_channel(), sync)
 
 
-def _needs_reload(engine) -> bool:
+def _needs_reload(engine: RolloutRole) -> bool:
     """A sleeping engine whose weights were streamed (not stored) lost them: they must come again."""
-    return bool(getattr(engine, "asleep", False)) and getattr(engine, "weights_path", "") is None
+    return engine.asleep and engine.weights_path is None
 
 
-def _load_into(engine, source, version: int) -> dict[str, float]:
+def _load_into(engine: RolloutRole, source, version: int) -> dict[str, float]:
     """Give `engine` policy `version` from `source` (a stored folder or the live model), unless it holds it."""
     if engine.weights_version == version:
         return {}

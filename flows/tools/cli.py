@@ -24,7 +24,23 @@ from pathlib import Path
 
 import yaml
 
-from flows.training.registry import WORKER_ROLES
+from components.tasks.arithmetic import ensure_arithmetic_dataset
+from components.tiny import build_tiny_model
+from flows.config import build_config, load_config
+from flows.runtime.recovery import read_run_record
+from flows.runtime.supervision import STOPPING
+from flows.runtime.tracking import Tracker, tracking_uri
+from flows.tools.compare import add_compare_parser
+from flows.tools.doctor import add_doctor_parser
+from flows.tools.make import add_make_parsers
+from flows.tools.submit import add_submit_parser
+from flows.training.preflight import check_device
+from flows.training.registry import SHARDED_ROLES, WORKER_ROLES, role_stages
+from storage import RunLayout
+
+# The modules above are what the parser needs (torch, MLflow and Prefect's settings come with doctor's). The
+# flow's own modules (the stages, the workers, the launcher: transformers and Prefect's engine, seconds more)
+# are imported inside the commands that run it, after the config has been checked: a bad one is refused first.
 
 # Sums of two numbers in 0..49: 2,500 distinct problems, 2,000 for training, 200 held out.
 QUICKSTART_TASK = {"train_size": 2000, "validation_size": 200, "high": 49, "seed": 0}
@@ -33,17 +49,13 @@ REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _quickstart_config(overrides: list[str]):
-    from flows.config import load_config
-
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return load_config(REPO_CONFIGS / "quickstart.yaml", [f"run.name=quickstart-{stamp}", *overrides])
 
 
 def _ensure_quickstart_inputs(config) -> None:
     """The quickstart makes its own model and data (nothing can be downloaded)."""
-    from components.tasks.arithmetic import ensure_arithmetic_dataset
-    from components.tiny import build_tiny_model
-    from flows.runtime.console import quiet_console
+    from flows.runtime.console import quiet_console  # deferred: imports transformers (seconds)
 
     if not Path(config.model.path, "config.json").exists():
         quiet_console()  # no `Writing model shards` bar
@@ -54,7 +66,7 @@ def _ensure_quickstart_inputs(config) -> None:
 
 
 def run_training(config, start_workers: bool = False) -> dict:
-    from flows.training.run import run_training as run
+    from flows.training.run import run_training as run  # deferred: the flow's modules (see the imports above)
 
     summary, flow_run_id = run(config, start_workers=start_workers)
     _print_where_to_look(config, summary, flow_run_id)
@@ -62,8 +74,7 @@ def run_training(config, start_workers: bool = False) -> dict:
 
 
 def _print_where_to_look(config, summary: dict, flow_run_id) -> None:
-    from flows.runtime.launcher import DEFAULT_PREFECT_HOME, flow_run_page
-    from flows.runtime.tracking import Tracker, tracking_uri
+    from flows.runtime.launcher import DEFAULT_PREFECT_HOME, flow_run_page  # deferred: a flow module, loaded by the run
 
     bin_dir = Path(sys.executable).parent
     experiment_id = Tracker(config, run_id=summary["mlflow_run_id"]).experiment_id
@@ -90,8 +101,6 @@ def _print_where_to_look(config, summary: dict, flow_run_id) -> None:
 
 
 def cmd_quickstart(args) -> int:
-    from flows.training.preflight import check_device
-
     config = _quickstart_config(args.overrides)
     check_device(config)  # before the tiny model and the data are built
     _ensure_quickstart_inputs(config)
@@ -100,24 +109,16 @@ def cmd_quickstart(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from flows.config import load_config
-
     run_training(load_config(args.config, args.overrides))
     return 0
 
 
 def cmd_run(args) -> int:
-    from flows.config import load_config
-
     run_training(load_config(args.config, ["trainer.execution=workers", *args.overrides]), start_workers=True)
     return 0
 
 
 def cmd_resume(args) -> int:
-    from flows.config import build_config
-    from flows.runtime.recovery import read_run_record
-    from storage import RunLayout
-
     record = read_run_record(RunLayout(args.storage_root, args.run))
     config = build_config(record["config"], ["run.resume=true", "run.overwrite=false", *args.overrides])
     run_training(config, start_workers=config.trainer.execution == "workers")
@@ -125,12 +126,12 @@ def cmd_resume(args) -> int:
 
 
 def cmd_worker(args) -> int:
+    # deferred: a worker's modules (transformers, Prefect's task worker), imported by this command only
     from flows.runtime.worker import follow, pin_devices, serve_role
 
-    visible = pin_devices(args.devices)  # before anything imports torch in this process
-    from flows.runtime.tasks import scoped
-    from flows.training.registry import SHARDED_ROLES, role_stages
-    from flows.training.stages import STAGES  # importing the stages fills the registry
+    visible = pin_devices(args.devices)  # before anything initialises CUDA in this process
+    from flows.runtime.tasks import scoped  # deferred: as the worker's, above
+    from flows.training.stages import STAGES  # deferred, as above; importing the stages fills the registry
 
     code = 0
     try:
@@ -153,8 +154,6 @@ def cmd_worker(args) -> int:
 
 
 def cmd_config_show(args) -> int:
-    from flows.config import load_config
-
     path, overrides = args.config, list(args.overrides)
     if path is not None and "=" in path and not Path(path).exists():  # only overrides were given
         path, overrides = None, [path, *overrides]
@@ -179,7 +178,7 @@ def run_name_note(config, path: str | None) -> str:
 
 
 def cmd_export(args) -> int:
-    from flows.training.export import export_run
+    from flows.training.export import export_run  # deferred: imports transformers (seconds), for this command only
 
     path = export_run(args.storage_root, args.run, step=args.step, output=args.output, tokenizer=args.tokenizer)
     print(path)
@@ -264,11 +263,6 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--follower", action="store_true", help=argparse.SUPPRESS)  # ranks > 0 of a sharded role
     worker.set_defaults(handler=cmd_worker)
 
-    from flows.tools.compare import add_compare_parser
-    from flows.tools.doctor import add_doctor_parser
-    from flows.tools.make import add_make_parsers
-    from flows.tools.submit import add_submit_parser
-
     add_compare_parser(commands)
     add_doctor_parser(commands)
     add_submit_parser(commands)
@@ -289,8 +283,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _raise_on_signal(signum, frame):
     """SIGTERM and SIGINT: unwind like Ctrl-C (workers, the server and the MLflow run are stopped on the way out)."""
-    from flows.runtime.supervision import STOPPING
-
     STOPPING.set()
     raise KeyboardInterrupt(signal.Signals(signum).name)
 

@@ -86,7 +86,7 @@ def compare_runs(tracking_uri: str, runs: Sequence[str] = (), experiment: str | 
                  metrics: Sequence[str] = DEFAULT_METRICS) -> CompareResult:
     """Compare runs given by name or id (or the newest runs of `experiment` when none are given)."""
     _check_store_exists(tracking_uri)
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # deferred: mlflow takes seconds to import; the parser needs none of it
 
     client = MlflowClient(tracking_uri=tracking_uri)
     notes: list[str] = []
@@ -156,7 +156,7 @@ def _experiment_ids(client, name: str) -> list[str]:
 
 def _resolve_run(client, ref: str, experiment_ids: list[str], experiment: str | None, notes: list[str]):
     """A run by name (tag rlhf.run_name or mlflow.runName; the latest when several) or by id."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # deferred: as compare_runs' MlflowClient
 
     matches = _runs_named(client, ref, experiment_ids)
     if matches:
@@ -266,6 +266,7 @@ def plotted_series(histories: dict[str, History], run_ids: Sequence[str], names:
 def plot_runs(client, run_ids: Sequence[str], names: Sequence[str], metrics: Sequence[str],
               output_png: str | Path, histories: dict[str, History] | None = None) -> Path:
     """Write a PNG, one subplot per series group, x = step, one color per run; return its path."""
+    # deferred: matplotlib takes a second to import, and only a plot needs it
     import matplotlib
     from matplotlib.figure import Figure
 
@@ -357,7 +358,7 @@ def format_table(result: CompareResult, width: int | None = None) -> str:
 
 def cmd_compare(args) -> int:
     """Print the comparison table, any notes and the plot's path."""
-    from flows.runtime.tracking import tracking_uri  # imports mlflow
+    from flows.runtime.tracking import tracking_uri  # deferred: imports mlflow (seconds), for this command only
 
     uri = tracking_uri(build_config({"tracking": {"tracking_uri": getattr(args, "tracking_uri", None)
                                                   or DEFAULT_TRACKING_URI}}))

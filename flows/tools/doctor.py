@@ -67,7 +67,7 @@ def package_versions() -> dict[str, str]:
                 continue
     if versions["torch"] != "not installed":
         try:
-            import torch
+            import torch  # deferred: inside the try, so that a broken install is reported, not fatal
 
             cuda = torch.version.cuda
             versions["torch"] += f" (CUDA {cuda})" if cuda else " (CPU build)"
@@ -92,7 +92,7 @@ def prefect_api_url(env: Mapping[str, str]) -> str | None:
     if env.get("PREFECT_API_URL"):
         return env["PREFECT_API_URL"]
     try:
-        from prefect.settings import Settings
+        from prefect.settings import Settings  # deferred: inside the try: a broken Prefect install reads as no URL
 
         return Settings().api.url or None  # built now: reads the current environment and profile
     except Exception:
@@ -242,7 +242,8 @@ def check_placement(config, inventory: Inventory, env: Mapping[str, str]) -> dic
     return _check(status, detail, applies=applies, roles_in_use=roles, assignments=verdict.assignments, parameters=counts,
                   requirements_gib={role: round(size / GIB, 2) for role, size in requirements.items()},
                   memory_basis=describe_memory_basis(DTYPE_BYTES[config.model.compute_dtype],
-                                                     DTYPE_BYTES[config.model.master_dtype]),
+                                                     DTYPE_BYTES[config.model.master_dtype],
+                                                     lora=bool(config.model.lora_rank)),
                   errors=verdict.errors, warnings=verdict.warnings, notes=notes)
 
 

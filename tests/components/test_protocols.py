@@ -14,8 +14,8 @@ def _instance(cls):
 
 def test_roles_implement_their_protocols():
     engine = _instance(HFRolloutEngine)
-    engine.weights_version = None
-    assert isinstance(engine, RolloutRole)
+    engine.weights_version, engine.last_metrics, engine.asleep, engine.weights_path = None, {}, False, None
+    assert isinstance(engine, RolloutRole)  # every engine: tests/components/test_rollout_protocol.py
     assert isinstance(_instance(Actor), PolicyRole)
     assert isinstance(_instance(Reference), ReferenceRole)
     assert isinstance(_instance(Critic), ValueRole)

@@ -40,10 +40,17 @@ def test_the_runs_transport_is_under_its_folder_with_its_weight_budget_and_sync_
 
 
 class _Engine:
-    """What sync_weights needs of a rollout engine: the version it holds and load_weights."""
+    """A rollout engine (components.protocols.RolloutRole) that records what it loads; it never sleeps."""
 
     def __init__(self, version=None):
         self.weights_version, self.loaded = version, []
+        self.last_metrics, self.asleep, self.weights_path = {}, False, None
+
+    def generate(self, prompt_ids, params):
+        raise NotImplementedError
+
+    def close(self):
+        pass
 
     def load_weights(self, path):
         self.loaded.append(path)
