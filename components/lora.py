@@ -54,6 +54,20 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: floa
     return peft_model
 
 
+def adapter_parameter_count(model_path: str, settings: dict, *, auto_class=None, trust_remote_code: bool = False,
+                            task_type: str = "CAUSAL_LM") -> int:
+    """The trained parameters of `model_path` with LoRA `settings` (adapters, and a critic's value head), from
+    its config alone: built on the meta device, no weights read (the placement's memory estimate)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code,
+                                        **({"num_labels": 1} if task_type == "TOKEN_CLS" else {}))
+    with torch.device("meta"):
+        model = (auto_class or AutoModelForCausalLM).from_config(config, trust_remote_code=trust_remote_code)
+        model = apply_lora(model, **settings, task_type=task_type)
+    return sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+
+
 def is_lora(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 

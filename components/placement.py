@@ -105,7 +105,8 @@ class PlacementReport:
 # --- memory estimates ------------------------------------------------------------------------------
 
 
-def estimate_role_bytes(num_parameters: int, compute_bytes: int, trainable: bool, master_bytes: int = 4) -> int:
+def estimate_role_bytes(num_parameters: int, compute_bytes: int, trainable: bool, master_bytes: int = 4,
+                        trained_parameters: int | None = None) -> int:
     """Bytes one copy of a role needs on its device (P = parameters, c = compute_bytes, m = master_bytes):
 
         inference: P*c (weights in the compute dtype) + 1 GiB (activations and workspace)
@@ -113,8 +114,12 @@ def estimate_role_bytes(num_parameters: int, compute_bytes: int, trainable: bool
                    + P*c (the compute copy of the weights, when c < m: autocast's casts, or FSDP's
                    gathered 16-bit weights) + 1 GiB
 
+        LoRA (`trained_parameters` = T adapter parameters, model.lora_rank > 0): P*m (the frozen base)
+                   + P*c (when c < m) + 16*T (the adapters' fp32 weights, gradients and two moments) + 1 GiB
+
     E.g. 0.5e9 parameters trained with fp32 masters and bf16 compute: 16 bytes + 2 bytes per parameter
-    = 9e9 bytes + 1 GiB; in pure bf16 (m = c = 2): 8 bytes per parameter = 4e9 bytes + 1 GiB.
+    = 9e9 bytes + 1 GiB; in pure bf16 (m = c = 2): 8 bytes per parameter = 4e9 bytes + 1 GiB; with LoRA
+    (T = 4.4e6 at rank 8, all-linear): 6 bytes per parameter + 16 * T = 3.07e9 bytes + 1 GiB.
     Activations of long sequences, the KV cache of generation and fragmentation are not included:
     the placement's memory_margin_gib covers them. Rollout engines that reserve a fraction of the
     GPU (vLLM) are budgeted by their caller.
@@ -125,14 +130,19 @@ def estimate_role_bytes(num_parameters: int, compute_bytes: int, trainable: bool
     if not trainable:
         return num_parameters * compute_bytes + WORKSPACE_BYTES
     compute_copy = num_parameters * compute_bytes if compute_bytes < master_bytes else 0
+    if trained_parameters is not None:  # LoRA: only the adapters have gradients and AdamW state (in fp32)
+        return num_parameters * master_bytes + compute_copy + 16 * trained_parameters + WORKSPACE_BYTES
     return 4 * num_parameters * master_bytes + compute_copy + WORKSPACE_BYTES
 
 
-def describe_memory_basis(compute_bytes: int, master_bytes: int) -> str:
+def describe_memory_basis(compute_bytes: int, master_bytes: int, lora: bool = False) -> str:
     """The estimate's rule in one line (doctor prints it beside the numbers)."""
     names = {4: "fp32", 2: "16-bit"}
     trained = (f"{4 * master_bytes} bytes per parameter ({names[master_bytes]} weights, gradients and two AdamW "
                "moments)")
+    if lora:
+        trained = (f"{master_bytes} bytes per parameter ({names[master_bytes]} frozen base) + 16 per LoRA adapter "
+                   "parameter (fp32 weights, gradients and two AdamW moments)")
     if compute_bytes < master_bytes:
         trained += f" + {compute_bytes} ({names[compute_bytes]} compute copy)"
     return (f"estimates: trained roles {trained}, other roles {compute_bytes} bytes per parameter, each + 1 GiB "
@@ -141,19 +151,22 @@ def describe_memory_basis(compute_bytes: int, master_bytes: int) -> str:
 
 def role_requirements(num_parameters: Mapping[str, int], compute_bytes: int,
                       assignments: Mapping[str, Assignment] | None = None,
-                      trainable_roles: Sequence[str] = TRAINABLE_ROLES, master_bytes: int = 4) -> dict[str, int]:
+                      trainable_roles: Sequence[str] = TRAINABLE_ROLES, master_bytes: int = 4,
+                      trained_parameters: Mapping[str, int] | None = None) -> dict[str, int]:
     """Bytes each GPU of a role must hold, per role in `num_parameters` (see estimate_role_bytes).
 
     A trainable role spread over n GPUs is taken as fully sharded (FSDP): its weights, gradients
     and optimizer states divide by n, the 1 GiB workspace does not. Other roles hold a whole copy
-    on every GPU they use. Roles without GPUs in `assignments` count as one device.
+    on every GPU they use. Roles without GPUs in `assignments` count as one device. `trained_parameters`: the
+    LoRA adapter parameters of the trained roles (model.lora_rank > 0), the only ones with AdamW state.
     """
     requirements = {}
     for role, parameters in num_parameters.items():
         trainable = role in trainable_roles
         assignment = (assignments or {}).get(role, "cpu")
         shards = len(assignment) if trainable and assignment != "cpu" and assignment else 1
-        state = estimate_role_bytes(parameters, compute_bytes, trainable, master_bytes) - WORKSPACE_BYTES
+        trained = (trained_parameters or {}).get(role) if trainable else None
+        state = estimate_role_bytes(parameters, compute_bytes, trainable, master_bytes, trained) - WORKSPACE_BYTES
         requirements[role] = -(-state // shards) + WORKSPACE_BYTES
     return requirements
 
