@@ -242,7 +242,8 @@ def check_placement(config, inventory: Inventory, env: Mapping[str, str]) -> dic
     return _check(status, detail, applies=applies, roles_in_use=roles, assignments=verdict.assignments, parameters=counts,
                   requirements_gib={role: round(size / GIB, 2) for role, size in requirements.items()},
                   memory_basis=describe_memory_basis(DTYPE_BYTES[config.model.compute_dtype],
-                                                     DTYPE_BYTES[config.model.master_dtype]),
+                                                     DTYPE_BYTES[config.model.master_dtype],
+                                                     lora=bool(config.model.lora_rank)),
                   errors=verdict.errors, warnings=verdict.warnings, notes=notes)
 
 

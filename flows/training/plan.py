@@ -13,6 +13,7 @@ from typing import Mapping
 
 
 from components.devices import Inventory, inventory_from_system
+from components.lora import adapter_parameter_count, lora_settings
 from components.models import check_model_source
 from components.placement import (
     DTYPE_BYTES,
@@ -62,12 +63,35 @@ def parameter_counts(config: Config, roles: list[str]) -> tuple[dict[str, int], 
     return counts, problems
 
 
+def adapter_counts(config: Config, counts: dict[str, int]) -> dict[str, int] | None:
+    """With LoRA (model.lora_rank > 0): the trained parameters of the actor and critic (adapters, and the critic's
+    value head), the only ones with gradients and AdamW state; None without LoRA. A role whose count fails keeps
+    the full fine-tuning estimate (the larger one)."""
+    settings = lora_settings(config.model)
+    if settings is None:
+        return None
+    from transformers import AutoModelForTokenClassification  # on use, as in parameter_counts
+
+    sources = {"actor": (config.model.path, None, "CAUSAL_LM"),
+               "critic": (config.critic.model_path or config.model.path, AutoModelForTokenClassification, "TOKEN_CLS")}
+    trained = {}
+    for role, (path, auto_class, task_type) in sources.items():
+        if role in counts:
+            try:
+                trained[role] = adapter_parameter_count(path, settings, auto_class=auto_class, task_type=task_type,
+                                                        trust_remote_code=config.model.trust_remote_code)
+            except Exception:  # a target module the architecture lacks: the preflight's and the build's error
+                pass
+    return trained
+
+
 def placement_verdict(config: Config, inventory: Inventory, env: Mapping[str, str], counts: dict[str, int]):
     """(per-GPU bytes each role needs, the components.placement report) for this run on this machine."""
     roles, modelless = config.roles, modelless_roles(config)
     assignments = resolve_assignments(config.placement, len(inventory.gpus), roles, modelless)
     requirements = role_requirements(counts, DTYPE_BYTES[config.model.compute_dtype], assignments,
-                                     master_bytes=DTYPE_BYTES[config.model.master_dtype])
+                                     master_bytes=DTYPE_BYTES[config.model.master_dtype],
+                                     trained_parameters=adapter_counts(config, counts))
     report = validate_placement(config.placement, inventory, requirements, env=env, roles_in_use=roles,
                                 modelless_roles=modelless)
     return requirements, report
