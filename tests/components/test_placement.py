@@ -103,6 +103,29 @@ def test_estimate_by_hand():
         estimate_role_bytes(10, 0, trainable=False)
 
 
+def test_lora_estimate_counts_adamw_state_for_the_adapters_only():
+    # 0.5e9 frozen fp32 base 2e9 + bf16 compute copy 1e9 + 4.4e6 adapter parameters x 16 (fp32 weights, grads and
+    # two moments) 70.4e6 + 1 GiB: a third of full fine-tuning's 9e9
+    assert estimate_role_bytes(500_000_000, 2, trainable=True, trained_parameters=4_400_000) == (
+        3_000_000_000 + 70_400_000 + GIB)
+    assert role_requirements({"actor": 500_000_000, "reference": 500_000_000}, 2,
+                             trained_parameters={"actor": 4_400_000}) == {"actor": 3_070_400_000 + GIB,
+                                                                          "reference": 1_000_000_000 + GIB}
+    assert "16 per LoRA adapter parameter" in describe_memory_basis(2, 4, lora=True)
+
+
+def test_adapter_parameters_are_counted_from_the_config(tmp_path):
+    from components.lora import adapter_parameter_count
+    from components.tiny import build_tiny_model
+
+    path = str(build_tiny_model(tmp_path / "tiny"))  # hidden 128, intermediate 512, 2 layers
+    # rank 8 on q, k, v, o (128 -> 128) and gate, up (128 -> 512), down (512 -> 128): 8 x (in + out) each
+    per_layer = 4 * 8 * 256 + 3 * 8 * 640
+    settings = dict(rank=8, alpha=16, dropout=0.0, target_modules="all-linear")
+    assert adapter_parameter_count(path, settings) == 2 * per_layer
+    assert adapter_parameter_count(path, dict(settings, target_modules=["q_proj", "v_proj"])) == 2 * 2 * 8 * 256
+
+
 def test_requirements_shard_trainable_roles_over_their_gpus():
     assignments = {"actor": [0, 1], "reference": [0, 1], "critic": "cpu", "rollout": [0]}
     parameters = {role: 500_000_000 for role in assignments}
