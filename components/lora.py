@@ -108,10 +108,10 @@ def base_name(name: str) -> str:
     return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
-def merged_state_dict(model, dtype: torch.dtype | None = None) -> "OrderedDict[str, torch.Tensor]":
+def merged_state_dict(model, dtype: torch.dtype | None = None, keep_vars: bool = False) -> "OrderedDict[str, torch.Tensor]":
     """The base model's state dict with every LoRA delta merged in: W + scale * B @ A under W's name, as peft's
     merge_and_unload gives it, without changing `model`. Merged weights are new tensors (cast to `dtype` when
-    given); every other tensor is the model's own (detached)."""
+    given); every other tensor is the model's own (detached, unless `keep_vars`: the parameters themselves)."""
     layers = _lora_layers(model)
     merged: dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -126,7 +126,7 @@ def merged_state_dict(model, dtype: torch.dtype | None = None) -> "OrderedDict[s
         if ".lora_" in name or ".original_module." in name:
             continue
         name = base_name(name)
-        state[name] = merged.get(name, tensor.detach())
+        state[name] = merged.get(name, tensor if keep_vars else tensor.detach())
     return state
 
 
@@ -158,7 +158,7 @@ class MergedWeights:
         return self.model.parameters()
 
     def state_dict(self, keep_vars: bool = False) -> OrderedDict:
-        self._held = merged_state_dict(self.model, self.dtype)
+        self._held = merged_state_dict(self.model, self.dtype, keep_vars)
         return self._held
 
     def save_pretrained(self, folder, state_dict=None, **kwargs) -> None:

@@ -185,3 +185,20 @@ def test_a_lora_critic_trains_its_adapters_and_value_head_only(model_path, tmp_p
     torch.manual_seed(1)  # another random head: the checkpoint's must replace it
     restored = Critic.from_pretrained(model_path, critic.config, device="cpu", lora=LORA, adapter=str(tmp_path / "critic"))
     assert torch.equal(restored.compute_values(batch), critic.compute_values(batch))
+
+
+def test_the_streamed_hand_over_packs_the_merged_weights(model_path):
+    """trainer.execution=workers: the actor's sender lays out its buckets from the published tensors and holds only
+    weak references to them (PackPlan); the merged ones stay alive in the view until the next publish."""
+    from components.weight_sync.buckets import BucketBuffers, PackPlan, unpack_bucket
+
+    actor = _lora_actor(model_path)
+    _update(actor)
+    _update(actor)
+    plan = PackPlan(list(compute_tensors(actor.policy_model, torch.float32, cast=False, detach=False)), 2**16,
+                    BucketBuffers(), torch.float32)
+    assert plan.available
+    expected = copy.deepcopy(actor.model).merge_and_unload().state_dict()
+    received = {name: tensor.clone() for bucket in plan.buckets() for name, tensor in unpack_bucket(bucket.specs,
+                                                                                                     bucket.buffer)}
+    assert received and all(torch.equal(tensor, expected[name]) for name, tensor in received.items())
