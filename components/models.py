@@ -271,7 +271,8 @@ class ModelConfig(Section):
     lora_rank: int = Field(0, ge=0)
     """LoRA rank of the trained roles (actor, critic), as verl's model.lora_rank; 0: off, full fine-tuning. On:
     only the adapters (peft) train and hold AdamW state, the rollout gets the merged weights, the reference is the
-    base model with the adapter disabled (components/lora.py). LoRA usually wants about 10x full fine-tuning's lr."""
+    base model with the adapter disabled (components/lora.py). LoRA often wants a larger actor.optim.lr than
+    full fine-tuning (on the quickstart, rank 8, 2e-4 and 2e-3 learned alike)."""
     lora_alpha: float = Field(16, gt=0)
     """LoRA scaling numerator: the adapter's delta is (lora_alpha / lora_rank) * B @ A."""
     lora_dropout: float = Field(0.0, ge=0, lt=1)
