@@ -9,7 +9,6 @@ needs (flows/runtime/recovery.py decides where it comes from otherwise).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
@@ -23,14 +22,11 @@ from components.lora import lora_settings
 from components.models import compile_layers, load_tokenizer, resolve_device, resolve_dtype
 from components.reference import AdapterReference, Reference
 from components.rewards import RewardModel, load_reward_function
-from components.rollout import HFRolloutEngine
-from components.vllm_data_parallel import DataParallelRollout
-from components.vllm_rollout import VLLMRolloutEngine
 from flows.config import Config, layout_for
 from flows.runtime.console import long_work, progress
 from flows.runtime.recovery import LATEST, restore_point, state_source
 from flows.runtime.residents import release_role, resident
-from flows.training.engines import engine_placements, rollout_engine_name, rollout_gpus, vllm_options
+from flows.training.engines import build_rollout_engine, rollout_engine, rollout_engine_name
 from storage import RunLayout
 
 
@@ -62,31 +58,8 @@ def _trained_kwargs(config: Config) -> dict:
 
 
 def _build_rollout(config: Config):
-    if rollout_engine_name(config) == "vllm":
-        visible = torch.cuda.device_count()  # this process's GPUs: the rollout's, pinned by the placement
-        path, tokenizer, options = initial_policy_path(config), get_role(config, "tokenizer"), vllm_options(config, visible)
-        count = config.rollout.engines
-        if count == 1:
-            return VLLMRolloutEngine(path, tokenizer=tokenizer, **options)
-        gpus = rollout_gpus(config, visible)
-        placements = (engine_placements(count, options["tensor_parallel_size"], gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
-                      if gpus else [(None, 1)] * count)
-        engines = []
-        try:
-            for index, (devices, sharing) in enumerate(placements):
-                # Engines on one GPU split its memory share (kv_cache_gib, when set, is per engine). Each has
-                # its own seed: unseeded requests must not draw the same noise in every engine.
-                share = dict(options, gpu_memory_utilization=options["gpu_memory_utilization"] / sharing,
-                             seed=options["seed"] + index)
-                engines.append(VLLMRolloutEngine(path, tokenizer=tokenizer, devices=devices, **share))
-        except BaseException:
-            for engine in engines:
-                engine.close()
-            raise
-        return DataParallelRollout(engines)
-
-    return HFRolloutEngine.from_pretrained(initial_policy_path(config), micro_batch_size=config.rollout.micro_batch_size,
-                                           **_model_kwargs(config))
+    """The engine rollout.engine names (flows/training/engines.py ROLLOUT_ENGINES), from the initial policy."""
+    return build_rollout_engine(config, initial_policy_path(config), get_role(config, "tokenizer"))
 
 
 def _trained_source(config: Config, checkpoint: str | None, initial: str) -> dict:
@@ -217,11 +190,7 @@ def _loading_note(config: Config, name: str) -> tuple[str, str] | None:
     """What the progress lines say while a model role loads: (what, a note on how long it takes), or None: no
     line, a quick build."""
     if name == "rollout":
-        engine = rollout_engine_name(config)
-        if engine == "vllm":
-            return ("starting the vLLM rollout engine",
-                    " (once per run; about 30 s for a tiny model on a CPU, 2 min on a GPU where it compiles)")
-        return f"loading the rollout model ({engine})", ""
+        return rollout_engine(rollout_engine_name(config)).loading
     if name in ("actor", "reference", "critic") or (name == "reward" and config.reward.kind == "model"):
         return f"loading the {name} model", ""
     return None
