@@ -4,7 +4,7 @@
 #   bash bench/gpu-session.sh one      one H200, GPU 0, back to back: product GRPO, TRL GRPO, product PPO (0.5B shape,
 #                                      STEPS measured steps, default 2), each bounded by what is left of DEADLINE_S
 #                                      (default 590 s from the script's start); shared Prefect server; PRODUCT_SET as
-#                                      for phase t
+#                                      for phase t; ONE_PPO=0 leaves product PPO out
 #   bash bench/gpu-session.sh gen      one H200, GPU 0: bench/rollout.py at the step's shape with vLLM's own settings,
 #                                      then each rollout.engine_kwargs variant of GEN_KWARGS (;-separated JSON)
 #   bash bench/gpu-session.sh verl     one H200, GPU 0: verl 0.9.1's GRPO trainer at the `one` phase's knobs
@@ -171,7 +171,7 @@ for phase in "$@"; do
        product_set=(); for item in ${PRODUCT_SET:-}; do product_set+=(--set "$item"); done
        run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps" "${product_set[@]}"
        run trl-grpo-1gpu 0 bench/trl_grpo.py --steps "$steps"
-       run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps" "${product_set[@]}" ;;
+       [ "${ONE_PPO:-1}" = 0 ] || run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps" "${product_set[@]}" ;;
     verl) # one H200: verl 0.9.1's own GRPO trainer at the `one` phase's knobs (bench/verl/README.md: the wheels copied
        # to /tmp/verl-stage first, VERL_PREP_ONLY=1 once); STEPS (default 3: one warm-up and two measured steps)
        echo "== verl: bench/verl/verl_bench.sh STEPS=${STEPS:-3}"
