@@ -48,6 +48,7 @@ def main() -> None:
         "prompt_ids": [[rng.randrange(3, 200) for _ in range(args.prompt_tokens)] for _ in range(samples)],
         "response_ids": [[rng.randrange(3, 200) for _ in range(args.response_tokens)] for _ in range(samples)],
         "rollout_logprobs": [[-1.0 if row % 8 == 0 else math.nan] * args.response_tokens for row in range(samples)],
+        "loss_mask": [[1] * args.response_tokens] * samples,
         "response_text": ["x" * 1500] * samples, "ground_truth": ["1"] * samples, "data_source": ["a"] * samples,
         "finish_reason": ["length"] * samples})
     write_stage(layout, 0, "reward", {"uid": uids, "score": [float(row % 2) for row in range(samples)]})

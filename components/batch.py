@@ -20,7 +20,7 @@ class SequenceBatch:
     input_ids: torch.Tensor  # [B, P+T]
     attention_mask: torch.Tensor  # [B, P+T], 1 for real tokens
     position_ids: torch.Tensor  # [B, P+T]
-    response_mask: torch.Tensor  # [B, T] float, 1 for real response tokens
+    response_mask: torch.Tensor  # [B, T] float, 1 for real response tokens the policy generated (trained on)
     prompt_length: int  # P
 
     @property
@@ -34,6 +34,12 @@ class SequenceBatch:
     @property
     def response_ids(self) -> torch.Tensor:  # [B, T]
         return self.input_ids[:, self.prompt_length :]
+
+    @property
+    def response_tokens(self) -> torch.Tensor:  # [B, T] float
+        """1 for every real response token, a tool's included (response_mask leaves those out): per-token
+        columns of the stage files hold a value for each of these."""
+        return self.attention_mask[:, self.prompt_length :].float()
 
     def select(self, indices: torch.Tensor | slice) -> "SequenceBatch":
         return SequenceBatch(
@@ -78,7 +84,7 @@ class PaddingPlan:
         self.prompt_length = batch.prompt_length
         prompt_mask = batch.attention_mask[:, : batch.prompt_length].cpu()
         self.left_padding = (prompt_mask == 0).long().cumprod(dim=1).sum(dim=1)  # [B]
-        response_mask = batch.response_mask.cpu() > 0
+        response_mask = batch.response_tokens.cpu() > 0
         columns = torch.arange(1, response_mask.shape[1] + 1)
         self.response_extent = (response_mask * columns).max(dim=1).values if response_mask.numel() else \
             torch.zeros(batch.size, dtype=torch.long)  # [B]: 1 + index of the last real response token
@@ -111,15 +117,25 @@ def pad_responses(values: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def build_sequence_batch(
-    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_token_id: int
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_token_id: int,
+    loss_masks: Sequence[Sequence[int]] | None = None,
 ) -> SequenceBatch:
-    """Join prompts (left-padded to P) and responses (right-padded to T) into one batch."""
+    """Join prompts (left-padded to P) and responses (right-padded to T) into one batch.
+
+    `loss_masks` (one 0/1 per response token; multi-turn rollouts: 0 on a tool's answer) leave tokens out of
+    `response_mask`, so out of every loss and advantage; the model still attends to them."""
     prompts, prompt_mask = padded_tensor(prompt_ids, pad_token_id, torch.long, side="left")
-    responses, response_mask = padded_tensor(response_ids, pad_token_id, torch.long, side="right")
+    responses, response_tokens = padded_tensor(response_ids, pad_token_id, torch.long, side="right")
     if responses.shape[1] == 0:  # every response empty: keep one masked column so shapes stay valid
         responses = torch.full((len(response_ids), 1), pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros(len(response_ids), 1)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+        response_tokens = torch.zeros(len(response_ids), 1)
+    response_mask = response_tokens
+    if loss_masks is not None:
+        trained, given = padded_tensor(loss_masks, 0, torch.float32, side="right", length=responses.shape[1])
+        if not torch.equal(given, response_tokens):
+            raise ValueError("build_sequence_batch: a loss mask's length differs from its response's")
+        response_mask = response_tokens * trained
+    attention_mask = torch.cat([prompt_mask, response_tokens], dim=1).long()
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return SequenceBatch(
         input_ids=torch.cat([prompts, responses], dim=1),

@@ -37,7 +37,7 @@ REWARD_FIELDS = ("data_source", "solution_str", "response_text", "ground_truth",
 """What a reward function may declare (solution_str and response_text are the same text)."""
 AUTO = "auto"
 DATA_SOURCE_SCORERS = {"openai/gsm8k": "gsm8k", "gsm8k": "gsm8k", "word_problems": "gsm8k",
-                       "answer_only": "gsm8k_flexible"}
+                       "answer_only": "gsm8k_flexible", "tool_arithmetic": "final_turn_number"}
 """reward.function=auto: data_source -> the registered scorer; any other data_source: exact_match."""
 
 
@@ -84,6 +84,18 @@ def gsm8k_flexible(solution_str: str, ground_truth: str) -> float:
         if answer not in ("", "."):
             return 1.0 if answer == ground_truth else 0.0
     return 0.0
+
+
+@register_reward_function("final_turn_number")
+def final_turn_number(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """1.0 if the last number (commas removed) of the policy's last turn equals the ground truth. The last turn is
+    the transcript's last assistant message (multi-turn rollouts: extra_info.messages), else the whole response:
+    a number a tool answered counts only once the policy writes it."""
+    messages = (extra_info or {}).get("messages") if isinstance(extra_info, dict) else None
+    turns = [message["content"] for message in messages or [] if message.get("role") == "assistant"]
+    text = turns[-1] if turns else solution_str
+    numbers = [number for number in GSM8K_NUMBER_PATTERN.findall(text.replace(",", "")) if number not in ("", ".", "-")]
+    return 1.0 if numbers and numbers[-1].rstrip(".") == str(ground_truth).strip() else 0.0
 
 
 def scorer_for(data_source: str) -> str:

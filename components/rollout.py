@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from components.models import eos_ids, id_list, load_causal_lm, load_tokenizer
 from components.settings import Section
+from components.tools import DEFAULT_TOOL_RESPONSE_TEMPLATE, load_tools
 from components.weight_sync.buckets import unpack_bucket
 from components.weight_sync.channel import GroupReceiver, gpu_uuids, open_payload
 from components.weight_sync.receiver import RemoteWeights, new_session
@@ -65,6 +66,9 @@ class Generation:
     finish_reason: str  # "stop" (end-of-sequence emitted) or "length"
     text: str = ""
     extra: dict = field(default_factory=dict)
+    """A conversation's transcript (components/multi_turn.py): turns, tool_calls, messages."""
+    loss_mask: list[int] | None = None
+    """1 for each response token the policy generated, 0 for a tool's (None: every token is the policy's)."""
 
 
 class HFRolloutEngine:
@@ -257,7 +261,39 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0)
     """Top-k sampling (0: off)."""
     max_new_tokens: int = Field(16, gt=0)
-    """Longest response in tokens."""
+    """Longest response in tokens; under max_turns > 1, the conversation's budget (the policy's and the tools'
+    tokens after the prompt)."""
+    max_turns: int = Field(1, gt=0)
+    """Policy turns per sample: above 1, each sample is a conversation in which the policy calls rollout.tools
+    (components/multi_turn.py; docs/configuration.md, multi-turn rollouts); 1: one response, no tools."""
+    tools: list[str] = []
+    """Tools the policy may call (max_turns > 1): `calculator` (built in, sandboxed: components/tools.py) or a
+    user function `package.module:function`, called by its function's name."""
+    tool_timeout_s: float = Field(10.0, gt=0)
+    """A user tool's call that takes longer answers an error (the calculator has its own 1 s limit)."""
+    max_turn_tokens: int | None = Field(None, gt=0)
+    """Longest policy turn in tokens (default: what is left of max_new_tokens)."""
+    tool_response_template: str = DEFAULT_TOOL_RESPONSE_TEMPLATE
+    """How a tool's answer joins the conversation (tokens not trained on); `{result}` is the answer. Qwen's
+    chat template's tool turn: `<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response>
+    <|im_end|>\n<|im_start|>assistant\n`."""
+
+    @field_validator("tools")
+    @classmethod
+    def _known_tools(cls, value: list[str]) -> list[str]:
+        load_tools(value, field=None)  # a name that is no tool, before anything starts
+        return value
+
+    @field_validator("tool_response_template")
+    @classmethod
+    def _has_result(cls, value: str) -> str:
+        try:
+            value.format(result="")
+        except (KeyError, IndexError, ValueError) as error:
+            raise ValueError(f"only {{result}} may be in braces (write {{{{ }}}} for a brace): {error}") from None
+        if "{result}" not in value:
+            raise ValueError("must contain {result}, where the tool's answer goes")
+        return value
     val_temperature: float = Field(0.0, ge=0)
     """Validation temperature (0: greedy)."""
     min_new_tokens: int = Field(0, ge=0)

@@ -203,6 +203,7 @@ class Config(Section):
         if self.rollout.min_new_tokens > self.rollout.max_new_tokens:
             raise ValueError(f"rollout.min_new_tokens={self.rollout.min_new_tokens} must be <= "
                              f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
+        self._check_turns()
         if self.rollout.engine == "vllm":
             if installed_vllm() is None:
                 raise ValueError("rollout.engine='vllm': vLLM is not installed; install the `vllm` extra (CUDA) or "
@@ -225,6 +226,22 @@ class Config(Section):
                     f"{samples} samples ({role}.ppo_mini_batch_size={section.ppo_mini_batch_size} prompts x "
                     f"rollout.n={self.rollout.n})")
         return self
+
+    def _check_turns(self) -> None:
+        """Multi-turn rollouts (components/multi_turn.py): tools and turns go together."""
+        rollout = self.rollout
+        if rollout.max_turns > 1 and not rollout.tools:
+            raise ValueError(f"rollout.max_turns={rollout.max_turns} needs rollout.tools (e.g. [calculator]): a "
+                             "turn after the first follows a tool's answer")
+        if rollout.tools and rollout.max_turns == 1:
+            raise ValueError(f"rollout.tools={rollout.tools} needs rollout.max_turns >= 2 (1: the policy's tool "
+                             "calls would never be answered)")
+        if rollout.max_turns > 1 and rollout.ignore_eos:
+            raise ValueError("rollout.ignore_eos=true with rollout.max_turns > 1: a turn must end at its tool call "
+                             "or end-of-sequence; use rollout.ignore_eos=false")
+        if rollout.max_turn_tokens is not None and rollout.max_turn_tokens > rollout.max_new_tokens:
+            raise ValueError(f"rollout.max_turn_tokens={rollout.max_turn_tokens} must be <= rollout.max_new_tokens="
+                             f"{rollout.max_new_tokens} (the conversation's budget)")
 
     @property
     def precision_warning(self) -> str | None:

@@ -7,8 +7,9 @@ and meaning cannot drift between the process that produces it and the ones
 that consume it.
 
 Shape letters: B = samples in the batch, P = prompt tokens, T = response
-tokens. Token ids are list<int32>; per-token floats are list<float32> and are
-always aligned with `response_ids` (one value per response token).
+tokens. Token ids are list<int32>; per-token floats are list<float32> and
+per-token flags list<int8>, always aligned with `response_ids` (one value per
+response token).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ ROLES: tuple[str, ...] = (
 
 TOKEN_IDS = pa.list_(pa.int32())
 TOKEN_FLOATS = pa.list_(pa.float32())
+TOKEN_FLAGS = pa.list_(pa.int8())
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,9 @@ COLUMNS: dict[str, Column] = dict([
     _column("rollout_logprobs", TOKEN_FLOATS, "[B, T]", "rollout", ("driver",),
             "Log-probs of the sampled tokens under the sampling distribution; NaN on the samples the "
             "engine was not asked for (rollout.logprobs_fraction)."),
+    _column("loss_mask", TOKEN_FLAGS, "[B, T]", "rollout", ("reference", "critic", "actor", "driver"),
+            "1 on the response tokens the policy generated, 0 on those a tool's answer added (multi-turn "
+            "rollouts, rollout.max_turns); only the 1s are trained on and counted in advantages and metrics."),
     _column("response_text", pa.string(), "[B]", "rollout", ("reward",),
             "Detokenized response."),
     _column("ground_truth", pa.string(), "[B]", "rollout", ("reward",),
@@ -96,7 +101,7 @@ STAGES: dict[str, StageSchema] = {
     stage.name: stage
     for stage in (
         StageSchema("rollout", (
-            "uid", "group_id", "prompt_ids", "response_ids", "rollout_logprobs",
+            "uid", "group_id", "prompt_ids", "response_ids", "rollout_logprobs", "loss_mask",
             "response_text", "ground_truth", "data_source", "extra_info", "finish_reason",
         ), "Generated samples; the batch every later stage is aligned to."),
         StageSchema("reward", ("uid", "score"), "Sequence-level rewards."),

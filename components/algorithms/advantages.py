@@ -36,14 +36,16 @@ def get_advantage_estimator(name: str, field: str = "algorithm.adv_estimator") -
 def sequence_scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Place each sequence score ``[B]`` on its last valid response token, giving ``[B, T]``.
 
-    The last index is ``mask.sum(-1) - 1``, which assumes right padding (as verl does).
-    Sequences with an empty response receive no reward.
+    The last valid token is the mask's last 1: ``mask.sum(-1) - 1`` under right padding (verl), and still the
+    policy's last token when a multi-turn loss mask has holes (a tool's answer). Sequences with an empty
+    response receive no reward.
     """
     mask = response_mask.float()
     token_rewards = torch.zeros_like(mask, dtype=torch.float32)
-    lengths = mask.sum(dim=-1).long()
-    rows = torch.nonzero(lengths > 0, as_tuple=True)[0]
-    token_rewards[rows, lengths[rows] - 1] = scores[rows].float()
+    positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+    last = ((mask > 0) * positions).amax(dim=-1) if mask.numel() else torch.zeros(mask.shape[0], dtype=torch.long)
+    rows = torch.nonzero(last > 0, as_tuple=True)[0]
+    token_rewards[rows, last[rows] - 1] = scores[rows].float()
     return token_rewards
 
 

@@ -7,6 +7,7 @@ import json
 
 from components.real_models import REAL_MODELS, SOURCE_FILE, build_real_model
 from components.tasks.arithmetic import write_arithmetic_dataset
+from components.tasks.tool_arithmetic import write_tool_arithmetic
 from components.tasks.word_problems import write_task
 from components.tiny import PRESETS, build_tiny_model
 
@@ -29,6 +30,9 @@ def cmd_make_data(args) -> int:
     if args.task == "arithmetic":
         paths = write_arithmetic_dataset(args.output_dir, train_size=args.train_size,
                                          validation_size=args.validation_size, seed=args.seed)
+    elif args.task == "tool-arithmetic":
+        paths = write_tool_arithmetic(args.output_dir, args.train_size, args.validation_size, seed=args.seed,
+                                      digits=args.digits)
     else:
         try:
             levels = tuple(int(level) for level in args.levels.split(","))
@@ -73,15 +77,18 @@ def add_make_parsers(commands) -> None:
         description="Tasks: arithmetic (\"12+34=\", the tiny model's quickstart task), word-problems (GSM8K's "
                     "layout and instruction, graded levels 1-4, scored like verl's gsm8k: the number after "
                     "\"####\"), answer-only (\"Compute 12+34. Reply with just the final number\", scored by the "
-                    "last number).\n\nexamples:\n  rlhf make-data arithmetic .rlhf/data/arithmetic\n"
+                    "last number), tool-arithmetic (products and sums of large numbers, with the calculator's call format in the "
+                    "prompt, for multi-turn rollouts with rollout.tools=[calculator]; scored by the last number of "
+                    "the policy's last turn).\n\nexamples:\n  rlhf make-data arithmetic .rlhf/data/arithmetic\n"
                     "  rlhf make-data word-problems .rlhf/data/word-problems --levels 1,2\n"
                     "  rlhf make-data answer-only .rlhf/data/answer-only --high 99",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    data.add_argument("task", choices=["arithmetic", "word-problems", "answer-only"])
+    data.add_argument("task", choices=["arithmetic", "word-problems", "answer-only", "tool-arithmetic"])
     data.add_argument("output_dir")
     data.add_argument("--train-size", type=int, default=2000)
     data.add_argument("--validation-size", type=int, default=200)
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--levels", default="1,2", help="word-problems: the levels to mix, 1 (easiest) to 4 (default 1,2)")
     data.add_argument("--high", type=int, default=99, help="answer-only: operands from 0 to this (default 99)")
+    data.add_argument("--digits", type=int, default=6, help="tool-arithmetic: digits of each operand (default 6)")
     data.set_defaults(handler=cmd_make_data)

@@ -11,6 +11,7 @@ a stage boundary; models come from `flows.training.roles`, resident in whichever
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -26,6 +27,7 @@ from components.algorithms import (
 from components.batch import SequenceBatch, build_sequence_batch
 from components.data import PromptSampler
 from components.models import resolve_dtype
+from components.multi_turn import generate_samples, multi_turn_metrics, with_tool_trace
 from components.rewards import RewardFunctionError
 from components.rollout import SamplingParams
 from flows.config import Config, layout_for
@@ -56,7 +58,8 @@ def _stats(prefix: str, values: torch.Tensor, mask: torch.Tensor | None = None) 
 def _rollout_batch(config: Config, rollout) -> SequenceBatch:
     tokenizer = get_role(config, "tokenizer")
     # Arrow columns straight into padded tensors (storage.padded_tensor), no Python lists.
-    return build_sequence_batch(rollout.column("prompt_ids"), rollout.column("response_ids"), tokenizer.pad_token_id)
+    return build_sequence_batch(rollout.column("prompt_ids"), rollout.column("response_ids"), tokenizer.pad_token_id,
+                                rollout.column("loss_mask"))
 
 
 def check_finite(stage: str, step: int, name: str, values: torch.Tensor, uids: list[str]) -> None:
@@ -93,8 +96,10 @@ def rollout(config: Config, step: int, weights_step: int | None = None, sync: st
                             logprobs_fraction=config.rollout.logprobs_fraction)
     engine = get_role(config, "rollout")
     with timed(metrics, "gen"):
-        generations = engine.generate([p.prompt_ids for p in prompts], params)
+        generations = generate_samples(engine, get_role(config, "tokenizer"), [p.prompt_ids for p in prompts], params,
+                                       config.rollout)
     metrics.update(engine.last_metrics)
+    metrics.update(multi_turn_metrics(generations))
     columns = {
         "uid": [f"s{step}-p{g.prompt_index}-n{g.sample_index}" for g in generations],
         "group_id": [f"s{step}-p{g.prompt_index}" for g in generations],
@@ -103,10 +108,12 @@ def rollout(config: Config, step: int, weights_step: int | None = None, sync: st
         # NaN where the engine was not asked for them (rollout.logprobs_fraction).
         "rollout_logprobs": [g.logprobs if g.logprobs is not None else [math.nan] * len(g.response_ids)
                              for g in generations],
+        # multi-turn: 0 on the tools' tokens (components/multi_turn.py)
+        "loss_mask": [g.loss_mask if g.loss_mask is not None else [1] * len(g.response_ids) for g in generations],
         "response_text": [g.text for g in generations],
         "ground_truth": [prompts[g.prompt_index].ground_truth for g in generations],
         "data_source": [prompts[g.prompt_index].data_source for g in generations],
-        "extra_info": [prompts[g.prompt_index].extra_info for g in generations],
+        "extra_info": [with_tool_trace(prompts[g.prompt_index].extra_info, g) for g in generations],
         "finish_reason": [g.finish_reason for g in generations],
     }
     path = write_batch(config, step, "rollout", columns)
@@ -149,7 +156,7 @@ def _per_token_stage(config: Config, step: int, stage: str, column: str, timing:
     with timed(metrics, timing):
         values = compute(batch)
         path = write_batch(config, step, stage, {"uid": rollout_table.column("uid").to_pylist(),
-                                            column: unpad_arrow(values, batch.response_mask)})
+                                            column: unpad_arrow(values, batch.response_tokens)})
     return {"path": path, "metrics": metrics, "values": values, "batch": batch, "rollout": rollout_table}
 
 
@@ -223,9 +230,10 @@ def advantages(config: Config, step: int, kl_coef: float) -> StageResult:
                                        group_ids=group_ids,
                                        gamma=config.algorithm.gamma, lam=config.algorithm.lam)
         check_finite("advantages", step, "the advantage", advantage, uids)
+        tokens = batch.response_tokens  # a value for every response token, 0 on a tool's
         path = write_batch(config, step, "advantages", {
-            "uid": uids, "token_rewards": unpad_arrow(token_rewards, mask),
-            "advantages": unpad_arrow(advantage, mask), "returns": unpad_arrow(returns, mask)})
+            "uid": uids, "token_rewards": unpad_arrow(token_rewards, tokens),
+            "advantages": unpad_arrow(advantage, tokens), "returns": unpad_arrow(returns, tokens)})
     metrics.update(_stats("critic/rewards", token_rewards.sum(-1)))
     metrics.update(_stats("critic/advantages", advantage, mask))
     metrics.update(_stats("critic/returns", returns, mask))
@@ -338,7 +346,14 @@ def sample_rows(config: Config, step: int, limit: int = 16) -> dict[str, list]:
     return {"uid": rollout_table.column("uid").to_pylist(),
             "prompt": tokenizer.batch_decode(rollout_table.column("prompt_ids").to_pylist(), skip_special_tokens=True),
             "response": rollout_table.column("response_text").to_pylist(),
-            "ground_truth": rollout_table.column("ground_truth").to_pylist(), "score": scores}
+            "ground_truth": rollout_table.column("ground_truth").to_pylist(), "score": scores,
+            "turns": [_turns(text) for text in rollout_table.column("extra_info").to_pylist()]}
+
+
+def _turns(extra_info: str) -> int:
+    """A sample's policy turns (1 unless a multi-turn rollout's transcript in extra_info says otherwise)."""
+    info = json.loads(extra_info) if extra_info else None
+    return int(info.get("turns", 1)) if isinstance(info, dict) else 1
 
 
 def _checkpoint_role(config: Config, step: int, role: str) -> StageResult:

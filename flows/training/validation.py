@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+from components.multi_turn import generate_samples, with_tool_trace
 from components.rewards import RewardFunctionError
 from components.rollout import SamplingParams
 from flows.config import Config
@@ -29,14 +30,16 @@ def evaluate(config: Config, engine, records) -> tuple[dict, dict[str, float]]:
                             seed=config.trainer.seed)
     what = f"validation: generating and scoring {len(records)} prompts"
     with long_work(what, f"{what}: {{seconds:.0f}} s so far", "", announce_after_s=VALIDATION_QUIET_S) as work:
-        generations = engine.generate([r.prompt_ids for r in records], params)
+        generations = generate_samples(engine, get_role(config, "tokenizer"), [r.prompt_ids for r in records], params,
+                                       config.rollout)  # with the tools under rollout.max_turns > 1
         texts = [g.text for g in generations]
+        extra_info = [with_tool_trace(r.extra_info, g) for r, g in zip(records, generations)]
         scores = score_batch(config, [r.prompt_ids for r in records], texts, [r.ground_truth for r in records],
-                        [r.data_source for r in records], [r.extra_info for r in records])
+                             [r.data_source for r in records], extra_info)
         work.done = f"validation: reward {sum(scores) / len(scores):.3f} on {len(records)} prompts in {{seconds:.1f}} s"
     columns = {"uid": [f"val-{r.index}" for r in records], "prompt_text": [r.prompt_text for r in records],
                "response_text": texts, "ground_truth": [r.ground_truth for r in records],
-               "data_source": [r.data_source for r in records], "extra_info": [r.extra_info for r in records],
+               "data_source": [r.data_source for r in records], "extra_info": extra_info,
                "score": scores}
     metrics = {"val/reward/mean": sum(scores) / len(scores)}
     for source in sorted(set(columns["data_source"])):

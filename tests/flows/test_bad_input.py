@@ -166,6 +166,16 @@ CONFIG_CASES = {
                                                  "critic.ppo_mini_batch_size=16"],
                                                 "critic.micro_batch_size=64 (samples) must be <= the mini-batch's 32 "
                                                 "samples (critic.ppo_mini_batch_size=16 prompts x rollout.n=2)"),
+    "turns without tools": (["rollout.max_turns=3"],
+                            "rollout.max_turns=3 needs rollout.tools (e.g. [calculator]): a turn after the first "
+                            "follows a tool's answer"),
+    "a tool that is not one": (["rollout.max_turns=2", "rollout.tools=[calc]"],
+                               "rollout.tools=['calc']: 'calc' is not a tool; use a built-in tool (calculator) or "
+                               "'module:function'"),
+    "a tool module that is not there": (["rollout.max_turns=2", "rollout.tools=[no_such_tools:add]"],
+                                        "rollout.tools=['no_such_tools:add']: 'no_such_tools:add': module "
+                                        "'no_such_tools' cannot be imported (ModuleNotFoundError: No module named "
+                                        "'no_such_tools'); use a built-in tool (calculator) or 'module:function'"),
     "empty registered model": (["tracking.registered_model= "],
                                "tracking.registered_model=' ': is empty; name an MLflow registered model (e.g. "
                                "rlhf-nightly), or leave it unset (null) to register nothing"),
@@ -347,7 +357,7 @@ def test_a_bad_model_is_reported_as_such(capsys, workdir, inputs, overrides, mes
 
 # --- reward function -------------------------------------------------------------------------------
 
-VALID_REWARDS = "use auto, a registered name (exact_match, gsm8k, gsm8k_flexible) or 'module:function'"
+VALID_REWARDS = "use auto, a registered name (exact_match, final_turn_number, gsm8k, gsm8k_flexible) or 'module:function'"
 REWARD_CASES = {
     "unknown name": ("exact", f"reward.function='exact' is not a registered reward function; {VALID_REWARDS}"),
     "empty module": (":boom", f"reward.function=':boom' has an empty module or function name; {VALID_REWARDS}"),

@@ -443,3 +443,21 @@ def test_a_run_name_of_dots_is_refused():
         assert config_error([f"run.name={name}"]) == (f"run.name={name!r}: {name!r} names no folder of its own; use "
                                                       "letters, digits, '.', '_' or '-'")
     assert build_config(overrides=["run.name=v1.2"]).run.name == "v1.2"
+
+
+def test_multi_turn_rollout_options_are_validated():
+    tools = ["rollout.tools=[calculator]", "rollout.max_turns=2"]
+    assert config_error(["rollout.max_turns=3"]) == (
+        "rollout.max_turns=3 needs rollout.tools (e.g. [calculator]): a turn after the first follows a tool's answer")
+    assert config_error(["rollout.tools=[calculator]"]).startswith("rollout.tools=['calculator'] needs rollout.max_turns >= 2")
+    assert config_error(["rollout.tools=[calc]", "rollout.max_turns=2"]) == (
+        "rollout.tools=['calc']: 'calc' is not a tool; use a built-in tool (calculator) or 'module:function'")
+    assert "module 'no_such_module' cannot be imported" in config_error(["rollout.tools=[no_such_module:f]",
+                                                                        "rollout.max_turns=2"])
+    assert config_error([*tools, "rollout.tool_response_template=no result"]) == (
+        "rollout.tool_response_template='no result': must contain {result}, where the tool's answer goes")
+    assert config_error([*tools, "rollout.max_turn_tokens=99"]) == (
+        "rollout.max_turn_tokens=99 must be <= rollout.max_new_tokens=16 (the conversation's budget)")
+    assert config_error([*tools, "rollout.ignore_eos=true"]).startswith("rollout.ignore_eos=true with rollout.max_turns > 1")
+    config = build_config(None, [*tools, "rollout.max_turn_tokens=8"])
+    assert (config.rollout.tools, config.rollout.max_turns, config.rollout.max_turn_tokens) == (["calculator"], 2, 8)

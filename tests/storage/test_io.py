@@ -18,6 +18,7 @@ ROLLOUT = {
     "prompt_ids": [[1, 2, 3], [1, 2, 3], [7]],
     "response_ids": [[4, 5], [6], []],
     "rollout_logprobs": [[-0.5, -1.25], [-2.0], []],
+    "loss_mask": [[1, 1], [1], []],
     "response_text": ["ab", "c", ""],
     "ground_truth": ["2", "2", "x"],
     "data_source": ["gsm8k"] * 3,

@@ -10,10 +10,11 @@ from storage.schema import (
 def test_stage_arrow_schema_has_declared_types_in_order():
     schema = STAGES["rollout"].arrow_schema()
     assert schema.names == [
-        "uid", "group_id", "prompt_ids", "response_ids", "rollout_logprobs",
+        "uid", "group_id", "prompt_ids", "response_ids", "rollout_logprobs", "loss_mask",
         "response_text", "ground_truth", "data_source", "extra_info", "finish_reason",
     ]
     assert schema.field("prompt_ids").type == pa.list_(pa.int32())
+    assert schema.field("loss_mask").type == pa.list_(pa.int8())
     assert schema.field("rollout_logprobs").type == pa.list_(pa.float32())
     assert STAGES["reward"].arrow_schema().field("score").type == pa.float32()
     assert STAGES["advantages"].arrow_schema().names == [
