@@ -12,7 +12,7 @@ written), `--reps` times after one warm-up: one AdamW step of the actor on rando
 really changes: `update_rms_ratio`, the RMS of the step's change over the RMS of the weights), then
 `publish_weights` (timed: save_weights) and `sync_weights` (timed: weight_sync, the engine's wake included
 as in the product, where the engine sleeps between generations), through the product's own transports
-(flows/runtime/transport.py). Proof that the engine holds the new weights: after each sync it samples
+(flows/runtime/weights/). Proof that the engine holds the new weights: after each sync it samples
 (temperature 1, fixed length) and the actor recomputes the sampled tokens' log-probs: `logprob_gap` is the
 mean |difference| (bf16 noise only when the weights are the same); `stale_gap` is that difference had the
 engine kept the previous version (the previous samples against the updated actor).
@@ -70,7 +70,8 @@ def main() -> None:
     from components.precision import Precision, prepare_trained_model
     from components.rollout import SamplingParams
     from components.vllm_rollout import VLLMRolloutEngine
-    from flows.runtime.transport import MemoryTransport, StorageTransport
+    from flows.runtime.weights.in_memory import MemoryTransport
+    from flows.runtime.weights.on_storage import StorageTransport
     from storage import RunLayout
 
     started = time.perf_counter()

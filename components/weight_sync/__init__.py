@@ -19,7 +19,7 @@ Modules, bottom up (each imports only those above it):
   "components.weight_sync.vllm_worker.WeightReceiver"), called by name through `collective_rpc`.
 
 Which transport uses which (storage, memory in one process, a stream between workers) is the runtime's
-choice (flows/runtime/transport.py); nothing here knows about stages or the run folder.
+choice (flows/runtime/weights/); nothing here knows about stages or the run folder.
 
 How a new rollout engine plugs in. Its `load_weights(source)` takes one of three sources:
 - a path (str): a stored copy, a Hugging Face safetensors folder; load it in place;

@@ -26,9 +26,9 @@ to the others (`decide`), so that all ranks gather the same parameters, one at a
 
 Failures. A receiver that goes silent mid-stream is given up after `ack_timeout_s`, or as soon as a newer
 pull arrives (its replacement); a sender that dies makes the receiver's store calls fail, and the receiver
-falls back to the stored copy (flows/runtime/transport.py). The store listens on the channel's address only
-(`listen`: the loopback when every worker is on one host); its port, like NCCL's, is for a trusted network: the
-token keeps stray clients out of the protocol, not an attacker who can read the run folder.
+falls back to the stored copy (flows/runtime/weights/streamed.py). The store listens on the channel's address
+only (`listen`: the loopback when every worker is on one host); its port, like NCCL's, is for a trusted
+network: the token keeps stray clients out of the protocol, not an attacker who can read the run folder.
 """
 
 from __future__ import annotations

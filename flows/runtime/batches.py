@@ -3,7 +3,7 @@
 A batch is one stage's output for one step (`rollout`, `reward`, `advantages`, ...), a table with exactly
 the stage's declared schema (storage/schema.py). Stages write and read batches through `Batches`
 (flows/training/stage_io.py), the driver and recovery ask it which are committed (flows/runtime/recovery.py);
-none of them touches the files. The weights do not go this way (flows/runtime/transport.py).
+none of them touches the files. The weights do not go this way (flows/runtime/weights/).
 
 `StorageBatches` keeps them as Parquet files of the run folder, `steps/<k>/<stage>.parquet`
 (RunLayout.stage_path), written to a temporary sibling and renamed into place: a batch under its final name

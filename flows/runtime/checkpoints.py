@@ -27,8 +27,8 @@ from concurrent.futures import Future
 from components.checkpoint import role_state, write_role_state
 from flows.config import Config, layout_for
 from flows.runtime.console import long_work
-from flows.runtime.stored_copy import claim, release, writer_gone
-from flows.runtime.transport import transport_for
+from flows.runtime.weights import transport_for
+from flows.runtime.weights.stored_copy import claim, release, writer_gone
 from storage import COMMITTED_MARKER, RunLayout, write_bytes_atomic
 
 CHECKPOINT_QUIET_S = 5.0

@@ -1,4 +1,5 @@
-"""The driver's side of a run: dispatching stages, skipping finished ones, checkpoints, resumption.
+"""The driver's side of a run: dispatching stages, skipping finished ones, the weight hand-overs the stages'
+declarations ask for (flows/runtime/weights/handover.py), checkpoints, resumption.
 
 The driver holds no model: the MLflow tracker, the KL controller's coefficient and where the run
 stands. `start_run` begins a run or, with run.resume, continues it from its latest checkpoint.
@@ -27,10 +28,10 @@ from flows.runtime.recovery import (check_step_files, commit_checkpoint, driver_
                                     repair_latest_pointer, run_record_path, write_run_record)
 from flows.runtime.residents import release_run
 from flows.runtime.supervision import STOPPING
-from flows.runtime.system_metrics import start_system_metrics
+from flows.runtime.system_metrics import start_system_metrics, stop_system_metrics
 from flows.runtime.tasks import scoped
 from flows.runtime.tracking import Tracker, flow_run_tags, tracking_uri
-from flows.runtime.transport import transport_for
+from flows.runtime.weights import HandOvers, changes_policy_weights, needs_policy_weights, transport_for
 from flows.runtime.worker import heartbeat_dir, read_heartbeats
 
 
@@ -40,6 +41,7 @@ class Pending:
     step: int | None
     handle: object = None
     metrics: dict | None = None  # set when the stage had already finished (a resumed run)
+    handed_over: dict = field(default_factory=dict)  # the metrics of the weights senders waited for before it
 
 
 @dataclass
@@ -52,11 +54,14 @@ class RunState:
     logged: dict[str, int] = field(default_factory=dict)  # metric -> last step MLflow holds (resumed run)
     history: list[dict[str, float]] = field(default_factory=list)
     ahead: dict[int, Pending] = field(default_factory=dict)  # step -> its rollout, started a step early
-    senders: list[tuple[str, Pending]] = field(default_factory=list)
-    """(sync, stage) of the actor's send_weights stages still running beside the stage they feed."""
     relay: ProgressRelay = field(default_factory=ProgressRelay)  # the workers' progress lines, on this terminal
     unsettled: tuple | None = None
     """(step, roles, driver state) of the checkpoint whose roles' parts are still being written."""
+    handovers: HandOvers = field(init=False, repr=False)
+    """The actor's weights senders still running beside the stages they feed."""
+
+    def __post_init__(self) -> None:
+        self.handovers = HandOvers(self.config, self._start, self.wait)
 
     def run(self, stage, *args) -> dict[str, float]:
         """Run one stage and wait for it; return its metrics."""
@@ -64,7 +69,16 @@ class RunState:
 
     def submit(self, stage, *args) -> Pending:
         """Start a stage (its registry declaration) on its role's worker (execution=workers) or a thread of
-        this process, unless a resumed run finds it finished."""
+        this process, unless a resumed run finds it finished. A stage that needs the policy's weights gets
+        their sender beside it; one that changes them waits for every sender first (weights/handover.py)."""
+        if needs_policy_weights(stage):
+            return self.handovers.submit(stage, *args)
+        handed_over = self.handovers.wait() if changes_policy_weights(stage) else {}
+        pending = self._start(stage, *args)
+        pending.handed_over = handed_over
+        return pending
+
+    def _start(self, stage, *args) -> Pending:
         trainer = self.config.trainer
         step = args[0] if args else None
         pending = Pending(stage, step)
@@ -83,6 +97,11 @@ class RunState:
         return pending
 
     def wait(self, pending: Pending) -> dict[str, float]:
+        if pending.handed_over:
+            return {**pending.handed_over, **self._wait(pending)}
+        return self._wait(pending)
+
+    def _wait(self, pending: Pending) -> dict[str, float]:
         if pending.metrics is not None:
             return pending.metrics
         if isinstance(pending.handle, RemoteStage):
@@ -95,20 +114,22 @@ class RunState:
         record_stage_metrics(layout_for(self.config), pending.stage, pending.step, metrics)
         return metrics
 
-    def wait_senders(self) -> dict[str, float]:
-        """Wait for every weights sender the run started (before the actor's weights change again)."""
-        metrics: dict[str, float] = {}
-        while self.senders:
-            _sync, pending = self.senders.pop(0)
-            metrics |= self.wait(pending)
-        return metrics
+    def committed_policy(self, version: int) -> str | None:
+        """The stored copy of policy `version` once committed (what the export reads; under workers the actor's
+        worker writes it), after the hand-overs still under way; None for the initial policy (version 0)."""
+        self.handovers.wait()
+        return transport_for(self.config).committed_copy(version) if version else None
 
-    def abandon_senders(self) -> None:
-        """The run ends: a sender still waiting for its stage's pull is told to stop (best effort)."""
-        transport = transport_for(self.config)
-        for sync, _pending in self.senders:
-            transport.abandon(sync)
-        self.senders.clear()
+    def finish(self, status: str) -> None:
+        """The run ends with `status` (MLflow's): the checkpoint being written is committed (kept for the
+        resume), senders still waiting for their stage's pull are told to stop, the MLflow run ends."""
+        try:
+            self.settle_checkpoint(stopping=True)
+        except Exception as error:  # noqa: BLE001 - not instead of the error that ends the run
+            print(f"the checkpoint being written could not be committed: {error}")
+        self.handovers.abandon()
+        stop_system_metrics()
+        self.tracker.finish(status)
 
     def gpus(self) -> int:
         """GPUs the run computes on (verl's n_gpus in perf/throughput): the distinct GPUs of its workers'

@@ -12,7 +12,7 @@ import fsspec
 
 from components.placement import DTYPE_BYTES
 from components.vllm_build import vllm_version
-from flows.runtime.transport import weight_sync_mode
+from flows.runtime.weights import weight_sync_mode
 from flows.training.engines import engine_tensor_parallel, rollout_engine_name, rollout_sleeps
 from flows.training.plan import parameter_counts
 

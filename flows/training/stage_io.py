@@ -1,6 +1,6 @@
 """What every stage uses: its result (`StageResult`), its timings, the step's batches through the run's
 `Batches` (flows/runtime/batches.py), the rollout's weights through the run's transport
-(flows/runtime/transport.py), and the scoring of a batch (the reward stage and validation alike).
+(flows/runtime/weights/), and the scoring of a batch (the reward stage and validation alike).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Iterator, TypedDict
 from components.rewards import score_responses
 from flows.config import Config
 from flows.runtime.batches import batches_for
-from flows.runtime.transport import transport_for
+from flows.runtime.weights import transport_for
 from flows.training.roles import get_role
 
 

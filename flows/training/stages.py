@@ -33,7 +33,7 @@ from components.rollout import SamplingParams
 from flows.config import Config, layout_for
 from flows.runtime.batches import batches_for
 from flows.runtime.checkpoints import part_path, save_role_part
-from flows.runtime.transport import transport_for
+from flows.runtime.weights import transport_for
 from flows.training.registry import STAGES, stage
 from flows.training.roles import get_role, trained_role
 from flows.training.stage_io import (StageResult, read_batch, score_batch, sync_rollout_weights, timed,
@@ -78,7 +78,7 @@ def _per_token(table, column: str, length: int) -> torch.Tensor:
     return values
 
 
-@stage(role="rollout", output="rollout", skippable=True)
+@stage(role="rollout", output="rollout", skippable=True, needs_policy_weights=True)
 def rollout(config: Config, step: int, weights_step: int | None = None, sync: str | None = None) -> StageResult:
     """Sample `rollout.n` responses for each of the step's prompts, with the policy published for
     `weights_step` (default: `step`; one step earlier under trainer.one_step_ahead)."""
@@ -274,11 +274,11 @@ def update_actor(config: Config, step: int) -> StageResult:
     return {"path": path, "metrics": metrics}
 
 
-@stage(role="actor")
+@stage(role="actor", sends_policy_weights=True)
 def send_weights(config: Config, step: int, sync: str, for_stage: str, for_step: int) -> StageResult:
     """Stream policy `step` (the actor after `step` updates) to the rollout's worker, for the stage `for_stage`
     at `for_step` that the driver started beside this one (weights in memory between workers:
-    flows/runtime/transport.py). Ends when that stage has what it needs (or has committed its output). A
+    flows/runtime/weights/). Ends when that stage has what it needs (or has committed its output). A
     replaced actor that holds another version says so, and the rollout reads the stored copy. Validation's
     hand-overs are named under val-aux/, as on the rollout's side."""
     actor = get_role(config, "actor")

@@ -16,13 +16,13 @@ either a reward penalty (algorithm.use_kl_in_reward) or a loss term (actor.use_k
 the log-probs use logits divided by the sampling temperature, so they match the rollout engine's.
 
 Each box is a stage of flows/training/stages.py, submitted by its declaration; the driver (flows/runtime)
-decides where it runs, skips what a resumed run finished, and passes only paths and scalar metrics.
+decides where it runs, skips what a resumed run finished, hands the policy's weights to the stages declared to
+need them (flows/runtime/weights/), and passes only paths and scalar metrics.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 
 from prefect import flow, get_run_logger
 from prefect.exceptions import TerminationSignal
@@ -32,32 +32,15 @@ from prefect.runtime import flow_run as prefect_flow_run
 from flows.config import Config, ConfigError, TrainerConfig, build_config, layout_for, load_config
 from flows.runtime.attempts import retry_crashed
 from flows.runtime.console import progress
-from flows.runtime.driver import Pending, RunState, for_this_flow_run, run_name_for_this_flow_run, start_run
+from flows.runtime.driver import RunState, for_this_flow_run, run_name_for_this_flow_run, start_run
 from flows.runtime.residents import release_run
 from flows.runtime.supervision import RunLock, mark_stopping
-from flows.runtime.system_metrics import stop_system_metrics
-from flows.runtime.transport import transport_for
 from flows.training.export import export_run
 from flows.training.learning_signal import NoSignalWatch, watch_learning_signal
 from flows.training.preflight import check_inputs
 from flows.training.stages import (STAGES, advantages, checkpoint_actor, checkpoint_critic, old_logprobs, reference,
-                                   reward, rollout, sample_rows, send_weights, update_actor, update_critic, validate,
-                                   values, warm_start)
-
-
-def sample_with_policy(state: RunState, stage, step: int, version: int) -> Pending:
-    """Start a stage of the rollout role (rollout, validate) that samples with policy `version`. When weights
-    are streamed between workers, the actor's worker sends that version beside it (send_weights), and the
-    driver waits for the sender before the actor changes again (RunState.wait_senders)."""
-    transport = transport_for(state.config)
-    leading = (version,) if stage is rollout else ()
-    if not transport.streams(version):
-        return state.submit(stage, step, *leading)
-    sync = f"{stage.name}-{step}-{uuid.uuid4().hex[:8]}"
-    pending = state.submit(stage, step, *leading, sync)
-    if pending.metrics is None:  # not finished already (a resumed run)
-        state.senders.append((sync, state.submit(send_weights, version, sync, stage.name, step)))
-    return pending
+                                   reward, rollout, sample_rows, update_actor, update_critic, validate, values,
+                                   warm_start)
 
 
 def training_step(state: RunState, step: int) -> dict[str, float]:
@@ -66,10 +49,10 @@ def training_step(state: RunState, step: int) -> dict[str, float]:
     # step 1. rollout with the policy published for this step (one_step_ahead: for the step before, and
     # started while the previous step trained); then start the next step's rollout beside this one.
     ahead = config.trainer.one_step_ahead
-    pending = state.ahead.pop(step, None) or sample_with_policy(state, rollout, step, max(step - 1, 0) if ahead else step)
+    pending = state.ahead.pop(step, None) or state.submit(rollout, step, max(step - 1, 0) if ahead else step)
     metrics = state.wait(pending)
     if ahead and step + 1 < config.trainer.total_steps:
-        state.ahead[step + 1] = sample_with_policy(state, rollout, step + 1, step)
+        state.ahead[step + 1] = state.submit(rollout, step + 1, step)
     # step 2. score, reference, values and old log-probs do not depend on each other
     parallel = [state.submit(reward, step)]
     if not config.on_policy_update:  # on-policy, the update computes them itself
@@ -82,9 +65,8 @@ def training_step(state: RunState, step: int) -> dict[str, float]:
         metrics |= state.wait(future)
     # step 3. token rewards and advantages (driver math, written to storage)
     metrics |= state.run(advantages, step, state.kl_controller.value)
-    # step 4. actor and critic updates do not depend on each other (the actor's weights stay as they are
-    # until every version it was sending has arrived, and the roles until the last checkpoint is committed)
-    metrics |= state.wait_senders()
+    # step 4. actor and critic updates do not depend on each other (the roles stay as they are until the last
+    # checkpoint is committed, and the actor's weights until every version it was sending has arrived)
     metrics |= state.settle_checkpoint()
     updates = [state.submit(update_actor, step)]
     if config.uses_critic:
@@ -229,7 +211,7 @@ def train(config: Config | None = None, config_file: str | None = None, deployme
         # Workers load their models (from the warm-start's output, if any) while the rollout's engine
         # starts for the first validation.
         preparing = [state.submit(STAGES[f"prepare_{role}"]) for role in prepared_roles(config)]
-        first = state.wait(sample_with_policy(state, validate, 0, 0))
+        first = state.wait(state.submit(validate, 0))
         for pending in preparing:
             first |= state.wait(pending)
         state.log_metrics(first, step=0)
@@ -240,20 +222,17 @@ def train(config: Config | None = None, config_file: str | None = None, deployme
             metrics = training_step(state, step)
             done = step + 1
             if done == trainer.total_steps or (trainer.val_every and done % trainer.val_every == 0):
-                metrics |= state.wait(sample_with_policy(state, validate, done, done))
+                metrics |= state.wait(state.submit(validate, done))
             if trainer.checkpoint_every and (done % trainer.checkpoint_every == 0 or done == trainer.total_steps):
                 roles = [checkpoint_actor] + ([checkpoint_critic] if config.uses_critic else [])
                 metrics |= state.checkpoint(done, roles)
             record_step(state, step, metrics, learning_signal)
         # the last step validated already; a run resumed after its last step reads the stored result
-        end = state.history[-1] if state.history else state.wait(
-            sample_with_policy(state, validate, trainer.total_steps, trainer.total_steps))
-        state.wait_senders()
+        end = state.history[-1] if state.history else state.wait(state.submit(validate, trainer.total_steps))
         summary["val_reward_end"] = end["val/reward/mean"]
         # The final policy as a Hugging Face folder (weights + tokenizer), also as an MLflow model.
         progress(f"exporting the final policy (step {trainer.total_steps}) and logging it to MLflow as a model ...")
-        if trainer.total_steps:  # the last step's stored copy, which the export reads, is committed (under workers
-            transport_for(config).committed_copy(trainer.total_steps)  # the actor's worker writes it)
+        state.committed_policy(trainer.total_steps)  # the last step's stored copy, which the export reads
         summary["export_dir"] = str(export_run(config.run.storage_root, config.run.name))
         _log_final_model(state, summary)
         progress(f"final policy: {summary['export_dir']}" + (f", registered as {summary['registered_model']}"
@@ -266,12 +245,6 @@ def train(config: Config | None = None, config_file: str | None = None, deployme
     finally:
         if status == "KILLED":  # stages still running then find their roles released by a stop (runtime/residents.py)
             mark_stopping()
-        try:  # a checkpoint being written is kept for the resume
-            state.settle_checkpoint(stopping=True)
-        except Exception as error:  # noqa: BLE001 - not instead of the error that ends the run
-            print(f"the checkpoint being written could not be committed: {error}")
-        state.abandon_senders()
-        stop_system_metrics()
-        state.tracker.finish(status)
+        state.finish(status)  # a checkpoint being written is kept for the resume
         release_run(config)
         lock.release()

@@ -55,7 +55,7 @@ def as_validations(metrics: dict[str, float]) -> dict[str, float]:
     return {f"val-aux/{name}": value for name, value in metrics.items()}
 
 
-@stage(role="rollout", output="validation", skippable=True, per_sample=False)
+@stage(role="rollout", output="validation", skippable=True, per_sample=False, needs_policy_weights=True)
 def validate(config: Config, step: int, sync: str | None = None) -> StageResult:
     """Validation reward of the policy as it is at the start of `step`. Its hand-over of the weights is named
     under val-aux/ (a step's timing_s/weight_sync is its rollout's) and counted in timing_s/testing."""

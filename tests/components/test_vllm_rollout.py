@@ -230,8 +230,8 @@ def test_weights_streamed_from_a_live_model_replace_every_tensor(engine, model_p
 
 
 def test_a_stream_broken_midway_leaves_an_engine_that_loads_the_stored_copy_whole(engine, model_path, tmp_path):
-    """The rollout's fallback (flows/runtime/transport.py): a streamed version breaks after some of its buckets
-    reached vLLM's workers (begun, never finished), and the engine then loads the version's stored copy. It
+    """The rollout's fallback (flows/runtime/weights/streamed.py): a streamed version breaks after some of its
+    buckets reached vLLM's workers (begun, never finished), and the engine then loads the version's stored copy. It
     must generate exactly what transformers computes for the stored copy (no layer left half-loaded from the
     stream), and take a whole stream again afterwards."""
     from components.models import load_causal_lm

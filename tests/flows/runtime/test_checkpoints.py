@@ -180,7 +180,7 @@ def test_a_part_that_fails_on_a_disk_too_full_to_say_so_is_not_waited_for(model_
         return written(fs, path, payload)
 
     monkeypatch.setattr(checkpoints, "write_bytes_atomic", full_disk)
-    monkeypatch.setattr("flows.runtime.stored_copy.UNCLAIMED_COPY_WAIT_S", 0.5)
+    monkeypatch.setattr("flows.runtime.weights.stored_copy.UNCLAIMED_COPY_WAIT_S", 0.5)
     gate = _Gate(monkeypatch, fail=True)
     save_role_part(config, 2, "actor", _actor(model_path))
     gate.open.set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import flows.training.stages  # noqa: F401  (importing it fills the registry)
+from flows.runtime.weights import changes_policy_weights, needs_policy_weights
 from flows.training import registry
 from flows.training.registry import STAGES, WORKER_ROLES, StageSpec, role_stages, stage
 from storage import schema
@@ -40,6 +41,15 @@ def test_the_stages_a_resumed_run_may_skip():
         "rollout", "reward", "reference", "values", "old_logprobs", "advantages", "validate", "warm_start"}
     assert not STAGES["validate"].per_sample and STAGES["reward"].per_sample
     assert not STAGES["warm_start"].all_ranks and STAGES["update_actor"].all_ranks
+
+
+def test_the_stages_that_sample_with_the_policy_declare_it_and_the_actor_sends_it():
+    """The driver pairs them (flows/runtime/weights/handover.py); those writing weights/actor change it."""
+    assert {name for name, spec in STAGES.items() if needs_policy_weights(spec)} == {"rollout", "validate"}
+    assert {name for name, spec in STAGES.items() if spec.sends_policy_weights} == {"send_weights"}
+    assert STAGES["rollout"].weights_sender is STAGES["validate"].weights_sender is STAGES["send_weights"]
+    assert STAGES["send_weights"].role == "actor"
+    assert {name for name, spec in STAGES.items() if changes_policy_weights(spec)} == {"update_actor", "warm_start"}
 
 
 @pytest.fixture

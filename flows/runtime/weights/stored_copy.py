@@ -1,4 +1,4 @@
-"""A stored copy of a published policy, made in the background (flows/runtime/transport.py's MemoryTransport
+"""A stored copy of a published policy, made in the background (MemoryTransport, in_memory.py,
 and StreamTransport): one per run folder at a time, on a thread of its own. First the snapshot (the
 compute-dtype tensors to the host), once the version has reached the rollout (`copy_due`) or after
 HANDOVER_FIRST_S; then the writing and the atomic commit. A checkpoint, the export and the next update ask
