@@ -272,6 +272,53 @@ class SafetensorsWeights(Mapping):
         return len(self._file_of)
 
 
+class LoraMergedWeights(Mapping):
+    """The policy a LoRA checkpoint stands for: `initial` (the base model's tensors) with every adapter's delta
+    merged in, W + (lora_alpha / r) * B @ A in float32, under the base model's names; other tensors as they are.
+
+    `folder` is a peft folder (adapter_config.json, adapter_model.safetensors: the actor's checkpoint of a run
+    with model.lora_rank > 0). Lazy as `initial`: one merged tensor per lookup."""
+
+    def __init__(self, initial: Mapping[str, torch.Tensor], folder: str | Path):
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        settings = json.loads((folder / "adapter_config.json").read_text())
+        self.initial, self.scale = initial, settings["lora_alpha"] / settings["r"]
+        adapter = load_file(str(folder / "adapter_model.safetensors"))
+        self.factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.other: dict[str, torch.Tensor] = {}
+        """Tensors trained in full (a value head under peft's modules_to_save), by their base name."""
+        for name, tensor in adapter.items():
+            base = name.removeprefix("base_model.model.")
+            if ".lora_A." in base:
+                self.factors[base.replace(".lora_A.", ".")] = (tensor, adapter[name.replace(".lora_A.", ".lora_B.")])
+            elif ".lora_B." not in base:
+                self.other[base.replace(".modules_to_save.default.", ".")] = tensor
+        missing = sorted(set(self.factors) - set(initial))
+        if missing:
+            raise ValueError(f"{folder}: adapter tensors for weights the initial model lacks, e.g. {missing[0]}")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.other:
+            return self.other[name]
+        weight = self.initial[name]
+        if name not in self.factors:
+            return weight
+        lora_a, lora_b = self.factors[name]
+        return weight.float() + self.scale * (lora_b.float() @ lora_a.float())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.initial)
+
+    def __len__(self) -> int:
+        return len(self.initial)
+
+    @property
+    def dtypes(self) -> dict[str, str]:
+        return {**getattr(self.initial, "dtypes", {}), **{name: "F32" for name in self.factors}}
+
+
 def compare_weights(initial: Mapping[str, torch.Tensor], final: Mapping[str, torch.Tensor],
                     chunk_elements: int = 1 << 24) -> dict:
     """How far training moved the weights, over every tensor whose name is in both mappings.

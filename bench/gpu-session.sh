@@ -5,6 +5,10 @@
 #                                      STEPS measured steps, default 2), each bounded by what is left of DEADLINE_S
 #                                      (default 590 s from the script's start); shared Prefect server; PRODUCT_SET as
 #                                      for phase t; ONE_PPO=0 leaves product PPO out
+#   bash bench/gpu-session.sh lora     one GPU: product GRPO, full fine-tuning then LoRA (LORA_SET, default rank 32,
+#                                      alpha 32, all linear layers), per LORA_PRESETS shape (default 0.5b; 0.5b 1.5b
+#                                      3b 7b), LORA_MODES (default "full lora"); grpo-1gpu-<size>-<mode>.json;
+#                                      PRODUCT_SET as for phase t, bounded by DEADLINE_S as `one`
 #   bash bench/gpu-session.sh gen      one H200, GPU 0: bench/rollout.py at the step's shape with vLLM's own settings,
 #                                      then each rollout.engine_kwargs variant of GEN_KWARGS (;-separated JSON)
 #   bash bench/gpu-session.sh verl     one H200, GPU 0: verl 0.9.1's GRPO trainer at the `one` phase's knobs
@@ -165,6 +169,22 @@ for phase in "$@"; do
              --preset "$preset" --steps "${STEPS:-2}" --set "trainer.weight_sync=$mode" "${product_set[@]}"
          done
        done ;;
+    lora) shared_prefect_server  # one GPU: product GRPO with LoRA against full fine-tuning (issue 39), per shape
+       export DEADLINE_S=${DEADLINE_S:-590}
+       for size in ${LORA_PRESETS:-0.5b}; do
+         preset=qwen2.5-$size
+         rm -rf /tmp/rlhf-bench-step-*  # what a run killed at the deadline left (bench/step.py deletes its own)
+         [ "$size" = 0.5b ] || build_model "$preset" || continue
+         for mode in ${LORA_MODES:-full lora}; do
+           product_set=(); for item in ${PRODUCT_SET:-}; do product_set+=(--set "$item"); done
+           if [ "$mode" = lora ]; then
+             for item in ${LORA_SET:-model.lora_rank=32 model.lora_alpha=32}; do product_set+=(--set "$item"); done
+           fi
+           MODEL=/tmp/rlhf-bench-models/$preset run "grpo-1gpu-$size-$mode" 0 bench/step.py --algorithm grpo --gpus 1 \
+             --preset "$preset" --steps "${STEPS:-2}" --set trainer.keep_weights=2 "${product_set[@]}"
+         done
+       done
+       rm -rf /tmp/rlhf-bench-step-* ;;
     one) shared_prefect_server  # one H200: the three 0.5B rows of the table, back to back on GPU 0
        export DEADLINE_S=${DEADLINE_S:-590}
        steps=${STEPS:-2}

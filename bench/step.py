@@ -47,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
+    LoraMergedWeights,
     SafetensorsWeights,
     compare_weights,
     emit,
@@ -176,7 +177,10 @@ def weight_change(model_dir: Path, run_dir: str, total_steps: int) -> dict:
         print(f"WARNING: no actor checkpoint under {run_dir}/checkpoints: no weight comparison", file=sys.stderr)
         return {"weights_checkpoint": None}
     started = time.perf_counter()
-    initial, final = SafetensorsWeights(model_dir), SafetensorsWeights(folder)
+    initial = SafetensorsWeights(model_dir)
+    # LoRA (model.lora_rank > 0): the checkpoint is the adapter; the policy is the base with its delta merged in
+    final = (LoraMergedWeights(initial, folder) if (folder / "adapter_config.json").is_file()
+             else SafetensorsWeights(folder))
     change = compare_weights(initial, final)
     change.update({"weights_checkpoint": str(folder), "weights_checkpoint_step": step,
                    "weights_initial_dtypes": sorted(set(initial.dtypes.values())),
@@ -231,6 +235,8 @@ def run_product(args) -> dict:
 
     model_config = AutoConfig.from_pretrained(model_dir)
     flops = update_flops(model_config, samples, args.prompt_tokens, args.response_tokens)
+    if config.model.lora_rank:  # frozen base: no weight gradients, forward + input gradients = 2/3 of the FLOPs
+        flops *= 2 / 3
     update_s = stages.get("update_actor")
     update_rms = {role: after_warmup(f"{role}/update_rms_ratio") for role in ("actor", "critic")}
     model_section = config.model
@@ -260,6 +266,7 @@ def run_product(args) -> dict:
         "preset": args.preset, "parameters": parameter_count(model_config),
         "compute_dtype": getattr(model_section, "compute_dtype", getattr(model_section, "dtype", None)),
         "master_dtype": getattr(model_section, "master_dtype", None),
+        "lora_rank": getattr(model_section, "lora_rank", 0),
         "update_rms_ratio": statistics.mean(update_rms["actor"]) if update_rms["actor"] else None,
         "update_rms_ratio_all": update_rms["actor"],
         "critic_update_rms_ratio": statistics.mean(update_rms["critic"]) if update_rms["critic"] else None,

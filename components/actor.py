@@ -141,7 +141,9 @@ class Actor:
         lora: components.lora.apply_lora's settings (rank, alpha, dropout, target_modules), None: full fine-tuning;
         adapter: a LoRA checkpoint folder whose adapter is loaded onto the base model at `path`."""
         precision = Precision.of(dtype, master_dtype)
-        model = load_causal_lm(path, dtype=precision.master, compute_dtype=precision.compute, device=device,
+        # LoRA: the frozen base stays in the compute dtype (nothing updates it); the adapters train in float32
+        base_dtype = precision.master if lora is None else precision.compute
+        model = load_causal_lm(path, dtype=base_dtype, compute_dtype=precision.compute, device=device,
                                attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
         if lora is not None:
             if is_distributed():

@@ -66,7 +66,8 @@ class Critic:
                                                   num_labels=1)
         model_config.classifier_dropout = 0.0  # transformers 5 drops it when given as a kwarg
         precision = Precision.of(dtype, master_dtype)
-        model = load_pretrained(AutoModelForTokenClassification, path, dtype=precision.master,
+        model = load_pretrained(AutoModelForTokenClassification, path,  # LoRA: the base in the compute dtype
+                                dtype=precision.master if lora is None else precision.compute,
                                 compute_dtype=precision.compute, device=device,
                                 attn_implementation=attn_implementation,
                                 trust_remote_code=trust_remote_code, config=model_config)

@@ -1,14 +1,18 @@
 """LoRA adapters on the trained roles (peft), as verl's `model.lora_rank`: W' = W + (alpha / r) * B @ A.
 
 With `model.lora_rank > 0` the actor (and the critic) wraps its model with peft's LoRA: the base weights are
-frozen, only the adapters (`lora_A`, `lora_B`, and a critic's value head) take gradients and AdamW state, in
+frozen (held in the compute dtype: nothing updates it), only the adapters (`lora_A`, `lora_B`, and a critic's value
+head) take gradients and AdamW state, in
 float32 (the fp32-master convention, components/precision.py). What the rest of the run sees:
 
 - the rollout gets merged weights under the base model's names (`MergedWeights`: W + delta, computed on the
   fly into compute-dtype tensors; the training model is never merged in place), through the usual hand-over;
-- the reference policy is the same model with its adapter disabled (components.reference.AdapterReference);
+- the reference policy is the same model with its adapter disabled (components.reference.AdapterReference), in
+  the actor's process: under trainer.execution=workers the actor's worker runs the reference's stages;
 - checkpoints hold the adapter (a peft folder: adapter_config.json, adapter_model.safetensors) and its
   optimizer state; the base comes from the run's initial policy again on resume.
+
+Not yet: a sharded (FSDP) actor or critic with LoRA; the config refuses it (`sharded_lora_problem`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,22 @@ def lora_settings(model_config) -> dict | None:
         return None
     return dict(rank=model_config.lora_rank, alpha=model_config.lora_alpha, dropout=model_config.lora_dropout,
                 target_modules=model_config.target_modules)
+
+
+def sharded_lora_problem(model_config, placement, execution: str, uses_critic: bool) -> str | None:
+    """One line when LoRA meets a trained role placed on several GPUs (a sharded FSDP actor or critic), which is
+    not supported yet; None otherwise. The placement applies only under trainer.execution=workers."""
+    if not getattr(model_config, "lora_rank", 0) or execution != "workers":
+        return None
+    for role in ("actor", "critic") if uses_critic else ("actor",):
+        assignment = placement.roles.get(role, placement.default)
+        if isinstance(assignment, list) and len(assignment) > 1:
+            where = (f"placement.roles.{role}={assignment}" if role in placement.roles
+                     else f"placement.default={assignment} (used by the {role})")
+            return (f"model.lora_rank={model_config.lora_rank} with {where}: LoRA with the {role} sharded "
+                    f"over several GPUs (FSDP) is not supported yet; give the {role} one GPU (e.g. "
+                    f"placement.roles.{role}=[{assignment[0]}]) or set model.lora_rank=0 (full fine-tuning)")
+    return None
 
 
 def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float = 0.0,
@@ -116,11 +136,12 @@ def merged_state_dict(model, dtype: torch.dtype | None = None, keep_vars: bool =
     merged: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, layer in layers.items():
-            weight = layer.get_base_layer().weight
+            base = layer.get_base_layer().weight
+            weight = base.float()  # summed in float32, rounded once (the base is in the compute dtype)
             for adapter in layer.active_adapters:
                 if adapter in layer.lora_A:
-                    weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
-            merged[f"{name}.weight"] = weight if dtype is None else weight.to(dtype)
+                    weight = weight + layer.get_delta_weight(adapter).float()
+            merged[f"{name}.weight"] = weight.to(base.dtype if dtype is None else dtype)
     state: OrderedDict[str, torch.Tensor] = OrderedDict()
     for name, tensor in model.get_base_model().state_dict(keep_vars=True).items():
         if ".lora_" in name or ".original_module." in name:

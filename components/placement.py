@@ -114,12 +114,12 @@ def estimate_role_bytes(num_parameters: int, compute_bytes: int, trainable: bool
                    + P*c (the compute copy of the weights, when c < m: autocast's casts, or FSDP's
                    gathered 16-bit weights) + 1 GiB
 
-        LoRA (`trained_parameters` = T adapter parameters, model.lora_rank > 0): P*m (the frozen base)
-                   + P*c (when c < m) + 16*T (the adapters' fp32 weights, gradients and two moments) + 1 GiB
+        LoRA (`trained_parameters` = T adapter parameters, model.lora_rank > 0): P*c (the frozen base, held in
+                   the compute dtype) + 16*T (the adapters' fp32 weights, gradients and two moments) + 1 GiB
 
     E.g. 0.5e9 parameters trained with fp32 masters and bf16 compute: 16 bytes + 2 bytes per parameter
     = 9e9 bytes + 1 GiB; in pure bf16 (m = c = 2): 8 bytes per parameter = 4e9 bytes + 1 GiB; with LoRA
-    (T = 4.4e6 at rank 8, all-linear): 6 bytes per parameter + 16 * T = 3.07e9 bytes + 1 GiB.
+    (T = 4.4e6 at rank 8, all-linear): 2 bytes per parameter + 16 * T = 1.07e9 bytes + 1 GiB.
     Activations of long sequences, the KV cache of generation and fragmentation are not included:
     the placement's memory_margin_gib covers them. Rollout engines that reserve a fraction of the
     GPU (vLLM) are budgeted by their caller.
@@ -129,9 +129,9 @@ def estimate_role_bytes(num_parameters: int, compute_bytes: int, trainable: bool
                          f"master_bytes={master_bytes}; need num_parameters >= 0 and positive byte sizes")
     if not trainable:
         return num_parameters * compute_bytes + WORKSPACE_BYTES
-    compute_copy = num_parameters * compute_bytes if compute_bytes < master_bytes else 0
     if trained_parameters is not None:  # LoRA: only the adapters have gradients and AdamW state (in fp32)
-        return num_parameters * master_bytes + compute_copy + 16 * trained_parameters + WORKSPACE_BYTES
+        return num_parameters * compute_bytes + 16 * trained_parameters + WORKSPACE_BYTES
+    compute_copy = num_parameters * compute_bytes if compute_bytes < master_bytes else 0
     return 4 * num_parameters * master_bytes + compute_copy + WORKSPACE_BYTES
 
 
@@ -141,9 +141,9 @@ def describe_memory_basis(compute_bytes: int, master_bytes: int, lora: bool = Fa
     trained = (f"{4 * master_bytes} bytes per parameter ({names[master_bytes]} weights, gradients and two AdamW "
                "moments)")
     if lora:
-        trained = (f"{master_bytes} bytes per parameter ({names[master_bytes]} frozen base) + 16 per LoRA adapter "
-                   "parameter (fp32 weights, gradients and two AdamW moments)")
-    if compute_bytes < master_bytes:
+        trained = (f"{compute_bytes} bytes per parameter (the frozen base, {names[compute_bytes]}: the compute "
+                   "dtype) + 16 per LoRA adapter parameter (fp32 weights, gradients and two AdamW moments)")
+    elif compute_bytes < master_bytes:
         trained += f" + {compute_bytes} ({names[compute_bytes]} compute copy)"
     return (f"estimates: trained roles {trained}, other roles {compute_bytes} bytes per parameter, each + 1 GiB "
             "workspace; activations and the KV cache are left to memory_margin_gib")

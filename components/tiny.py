@@ -67,6 +67,10 @@ PRESETS: dict[str, TinyModelSpec] = {
     "qwen2.5-3b": TinyModelSpec(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
                                 num_key_value_heads=2, intermediate_size=11008, max_position_embeddings=32768,
                                 vocab_size=151936),
+    # Qwen2.5-7B's body (its LM head is untied; tied here as every preset: 7.07B parameters instead of 7.62B)
+    "qwen2.5-7b": TinyModelSpec(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                                num_key_value_heads=4, intermediate_size=18944, max_position_embeddings=32768,
+                                vocab_size=152064),
 }
 
 

@@ -20,6 +20,7 @@ from components.algorithms import (ESTIMATORS_NEEDING_CRITIC, get_advantage_esti
                                    get_loss_aggregation, get_policy_loss)
 from components.critic import CriticConfig
 from components.data import DataConfig
+from components.lora import sharded_lora_problem
 from components.models import ModelConfig
 from components.placement import PlacementConfig
 from components.rewards import RewardConfig
@@ -204,6 +205,8 @@ class Config(Section):
             raise ValueError(f"rollout.min_new_tokens={self.rollout.min_new_tokens} must be <= "
                              f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
         self._check_turns()
+        if problem := sharded_lora_problem(self.model, self.placement, self.trainer.execution, self.uses_critic):
+            raise ValueError(problem)
         if self.rollout.engine == "vllm":
             if installed_vllm() is None:
                 raise ValueError("rollout.engine='vllm': vLLM is not installed; install the `vllm` extra (CUDA) or "
@@ -264,9 +267,10 @@ class Config(Section):
 
     @property
     def roles(self) -> list[str]:
-        """The roles this run uses; under trainer.execution=workers each gets a worker."""
-        return (["rollout", "actor", "reward"] + (["reference"] if self.uses_reference else [])
-                + (["critic"] if self.uses_critic else []))
+        """The roles that hold a model (or a reward function) of their own; under trainer.execution=workers each
+        gets a worker. Not a LoRA run's reference: it runs in the actor's (worker_role)."""
+        reference = ["reference"] if self.uses_reference and worker_role(self, "reference") == "reference" else []
+        return ["rollout", "actor", "reward"] + reference + (["critic"] if self.uses_critic else [])
 
     @property
     def samples_per_step(self) -> int:
@@ -278,6 +282,12 @@ class Config(Section):
         and nothing before it needs the old log-probs: they are the update's own (see reuse_update_logprobs)."""
         return (self.actor.reuse_update_logprobs and self.actor.ppo_epochs == 1
                 and self.actor.ppo_mini_batch_size >= self.data.prompts_per_step and not self.algorithm.use_kl_in_reward)
+
+
+def worker_role(config: Config, role: str) -> str:
+    """The role whose worker (and process) runs `role`'s stages: the actor's for the reference's under LoRA
+    (model.lora_rank > 0: the actor's model with its adapter disabled, as verl's; no second copy), else its own."""
+    return "actor" if role == "reference" and config.model.lora_rank > 0 else role
 
 
 def layout_for(config: Config) -> RunLayout:

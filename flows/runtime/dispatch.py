@@ -48,7 +48,9 @@ class RunTracker:
     hands a run to one worker only (a replacement worker never sees it). A run is lost when no live
     worker holds it or is done with it, and either a worker did hold it (or the server says it ran)
     and `timeout_s` passed since, or it never started and a worker of its role sat idle for twice
-    `timeout_s` (so it is not just queued behind a busy worker, nor in transit to an idle one).
+    `timeout_s` (so it is not just queued behind a busy worker, nor in transit to an idle one). A worker is of
+    the role when it serves that role's stages: its own role's, or one its heartbeat's `serves` lists (the
+    actor's worker serves a LoRA run's reference, `rlhf worker --also-serve`).
     """
 
     def __init__(self, task_run_id: str, role: str, timeout_s: float, now: float | None = None):
@@ -60,8 +62,8 @@ class RunTracker:
     def observe(self, beats: list[dict], running: bool, now: float | None = None) -> str:
         """"attended", "waiting", "no workers" (no live worker of the role) or "lost"."""
         now = time.time() if now is None else now
-        live = [beat for beat in beats
-                if beat.get("role") == self.role and now - beat.get("beat", 0) < self.timeout_s]
+        live = [beat for beat in beats if self.role in beat.get("serves", [beat.get("role")])
+                and now - beat.get("beat", 0) < self.timeout_s]
         if any(self.task_run_id in beat.get("running", []) or self.task_run_id in beat.get("done", [])
                for beat in live):
             self.attended, self.started = now, True
@@ -102,11 +104,14 @@ class ProgressRelay:
 
 
 class RemoteStage:
-    """One stage dispatched to its role's workers; `result()` waits, resubmitting when a worker dies."""
+    """One stage dispatched to its role's workers; `result()` waits, resubmitting when a worker dies. `worker_role`:
+    the role of the worker that serves it, when not the stage's own (flows.config.worker_role)."""
 
     def __init__(self, stage_task, stage: str, role: str, args: tuple, *, worker_timeout_s: float,
-                 worker_wait_s: float, stage_timeout_s: float, retries: int = 0, relay: ProgressRelay | None = None):
+                 worker_wait_s: float, stage_timeout_s: float, retries: int = 0, relay: ProgressRelay | None = None,
+                 worker_role: str | None = None):
         self.task, self.stage, self.role, self.args = stage_task, stage, role, args
+        self.worker_role = worker_role or role
         self.relay = relay
         """Prints the workers' progress lines while this stage is waited for (and once more at its end)."""
         self.worker_timeout_s, self.worker_wait_s, self.stage_timeout_s = worker_timeout_s, worker_wait_s, stage_timeout_s
@@ -184,14 +189,15 @@ class RemoteStage:
             self.relay.relay(beats)
         verdict = self.tracker.observe(beats, running=state is not None and state.is_running())
         if verdict == "no workers" and time.monotonic() - self.submitted_at > self.worker_wait_s:
+            also = "" if self.worker_role == self.role else f" --also-serve {self.role}"
             raise WorkerLostError(
                 f"no live worker for role {self.role!r} after {self.worker_wait_s:.0f} s "
-                f"(trainer.worker_wait_s); start one: rlhf worker --role {self.role} --devices ...")
+                f"(trainer.worker_wait_s); start one: rlhf worker --role {self.worker_role}{also} --devices ...")
         return verdict == "lost"
 
     def _resubmit(self, client) -> None:
         if self.resubmits >= MAX_RESUBMITS:
-            raise WorkerLostError(f"stage {self.stage} lost its {self.role} worker {self.resubmits + 1} times")
+            raise WorkerLostError(f"stage {self.stage} lost its {self.worker_role} worker {self.resubmits + 1} times")
         try:  # for the UI: the abandoned attempt is not still "Running"
             client.set_task_run_state(self.future.task_run_id, Crashed(message="its worker stopped answering"),
                                       force=True)

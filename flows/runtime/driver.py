@@ -16,7 +16,7 @@ from pathlib import Path
 from prefect.runtime import flow_run
 
 from components.algorithms import make_kl_controller
-from flows.config import Config, ConfigError, RunConfig, layout_for
+from flows.config import Config, ConfigError, RunConfig, layout_for, worker_role
 from flows.runtime.artifacts import PrefectArtifacts, recorded_rows
 from flows.runtime.batches import batches_for
 from flows.runtime.dispatch import ProgressRelay, RemoteStage
@@ -68,7 +68,8 @@ class RunState:
         return self.wait(self.submit(stage, *args))
 
     def submit(self, stage, *args) -> Pending:
-        """Start a stage (its registry declaration) on its role's worker (execution=workers) or a thread of
+        """Start a stage (its registry declaration) on its role's worker (execution=workers; the actor's for a LoRA
+        run's reference: flows.config.worker_role) or a thread of
         this process, unless a resumed run finds it finished. A stage that needs the policy's weights gets
         their sender beside it; one that changes them waits for every sender first (weights/handover.py)."""
         if needs_policy_weights(stage):
@@ -91,7 +92,7 @@ class RunState:
             pending.handle = RemoteStage(scoped(stage.task), stage.name, stage.role, (self.config, *args),
                                          worker_timeout_s=trainer.worker_timeout_s, worker_wait_s=trainer.worker_wait_s,
                                          stage_timeout_s=trainer.stage_timeout_s, retries=trainer.stage_retries,
-                                         relay=self.relay)
+                                         relay=self.relay, worker_role=worker_role(self.config, stage.role))
         else:
             pending.handle = stage.task.with_options(retries=trainer.stage_retries).submit(self.config, *args)
         return pending

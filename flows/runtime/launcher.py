@@ -148,10 +148,12 @@ class WorkerPool:
     """
 
     def __init__(self, assignments: dict[str, object], env: dict[str, str], log_dir: Path, max_restarts: int = 5,
-                 preload: dict[str, list[str]] | None = None):
+                 preload: dict[str, list[str]] | None = None, also_serve: dict[str, list[str]] | None = None):
         self.assignments = assignments
         self.preload = preload or {}
         """role -> modules its worker imports before serving (`rlhf worker --preload`)."""
+        self.also_serve = also_serve or {}
+        """role -> the roles without a worker whose stages its worker serves (`rlhf worker --also-serve`)."""
         self.env = env
         self.log_dir = log_dir
         self.max_restarts = max_restarts
@@ -170,6 +172,7 @@ class WorkerPool:
         command = [sys.executable, "-m", "flows.tools.cli", "worker", "--role", role,
                    "--devices", self.devices_argument(self.assignments[role])]
         command += [argument for module in self.preload.get(role, ()) for argument in ("--preload", module)]
+        command += [argument for other in self.also_serve.get(role, ()) for argument in ("--also-serve", other)]
         self.processes[role] = subprocess.Popen(tied_to_this_process(command),
                                                 env={**self.env, PARENT_PID_ENV: str(os.getpid())},
                                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -57,14 +57,15 @@ def heartbeat_dir() -> str:
 
 
 class Heartbeat:
-    """What this worker process is doing, written atomically to its heartbeat file every second."""
+    """What this worker process is doing, written atomically to its heartbeat file every second; `serves`: the roles
+    whose stages it serves, its own and those of `also_serve` (the driver's RunTracker reads it)."""
 
-    def __init__(self, role: str, devices: str, directory: str):
+    def __init__(self, role: str, devices: str, directory: str, also_serve=()):
         self.fs, root = fsspec.core.url_to_fs(directory)
         self.fs.makedirs(root, exist_ok=True)
         self.path = f"{root.rstrip('/')}/{role}-{socket.gethostname()}-{os.getpid()}.json"
-        self.state = {"role": role, "host": socket.gethostname(), "pid": os.getpid(), "devices": devices,
-                      "started": time.time(), "running": [], "finished": [], "done": [],
+        self.state = {"role": role, "serves": [role, *also_serve], "host": socket.gethostname(), "pid": os.getpid(),
+                      "devices": devices, "started": time.time(), "running": [], "finished": [], "done": [],
                       "idle_since": time.time(), "load_counts": {}}
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()  # the beat thread and the stage thread both write
@@ -353,10 +354,10 @@ def serve_until_stopped(tasks: list) -> None:
 
 
 def serve_role(role: str, visible: str, tasks: list, directory: str | None = None, preload=(),
-               sharded: bool = False) -> None:
+               sharded: bool = False, also_serve=()) -> None:
     """Serve this role's stage `tasks` until stopped, its devices already pinned (`visible`: what
     pin_devices returned; "" on the CPU): start the ranks of a `sharded` role on several GPUs, the
-    heartbeat, and import the `preload` modules first."""
+    heartbeat, and import the `preload` modules first. `also_serve`: the other roles whose stages `tasks` hold."""
     global CURRENT
     count = len(visible.split(",")) if visible else 0
     followers = []
@@ -366,7 +367,7 @@ def serve_role(role: str, visible: str, tasks: list, directory: str | None = Non
         init_from_environment()
         _exit_when_a_follower_dies(followers)
 
-    CURRENT = Heartbeat(role, visible or "cpu", directory or heartbeat_dir())
+    CURRENT = Heartbeat(role, visible or "cpu", directory or heartbeat_dir(), also_serve)
     CURRENT.start()
     # Started for a driver (`rlhf run`): gone when it is, even when it was SIGKILLed.
     watch_parent(on_death=CURRENT.stop)

@@ -137,9 +137,11 @@ def cmd_worker(args) -> int:
     try:
         if args.follower:
             follow({name: spec.function for name, spec in STAGES.items() if spec.role == args.role and spec.all_ranks})
-        else:
-            serve_role(args.role, visible, [scoped(spec.task) for spec in role_stages(args.role)], args.heartbeat_dir,
-                       preload=args.preload, sharded=args.role in SHARDED_ROLES)
+        else:  # with --also-serve (a LoRA run's reference in the actor's worker) the other role's stages too
+            roles = [args.role, *dict.fromkeys(role for role in args.also_serve if role != args.role)]
+            serve_role(args.role, visible, [scoped(spec.task) for role in roles for spec in role_stages(role)],
+                       args.heartbeat_dir, preload=args.preload, sharded=args.role in SHARDED_ROLES,
+                       also_serve=roles[1:])
     except SystemExit as stop:  # SIGTERM: Prefect's task worker exits; its heartbeat is already removed
         code = stop.code if isinstance(stop.code, int) else 0
     except KeyboardInterrupt:  # SIGTERM or SIGINT (main's handler): stopped on purpose
@@ -260,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="folder (local or fsspec URI) the driver reads liveness from; default $RLHF_WORKER_DIR")
     worker.add_argument("--preload", action="append", default=[], metavar="MODULE",
                         help="import MODULE before serving (repeatable; `rlhf run` passes vllm to a vLLM rollout's worker)")
+    worker.add_argument("--also-serve", action="append", default=[], choices=["reference"], metavar="ROLE",
+                        help="also serve ROLE's stages: a LoRA run's reference (model.lora_rank > 0) runs in the actor's "
+                             "worker, as the actor's model with its adapter disabled; never beside a reference worker")
     worker.add_argument("--follower", action="store_true", help=argparse.SUPPRESS)  # ranks > 0 of a sharded role
     worker.set_defaults(handler=cmd_worker)
 

@@ -36,7 +36,7 @@ from flows.config import load_config
 from flows.tools.doctor_data import DEFAULT_PROMPTS, data_report, format_data, skipped_data_report
 from flows.tools.doctor_inputs import format_inputs, inputs_report
 from flows.tools.doctor_run import checkpoint_report, rollout_engine_report, weight_sync_report
-from flows.training.plan import parameter_counts, placement_verdict
+from flows.training.plan import hosted_roles, parameter_counts, placement_verdict
 
 DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NNODES")
 # Reported name -> distribution names that provide it (the first installed one wins).
@@ -229,7 +229,7 @@ def check_placement(config, inventory: Inventory, env: Mapping[str, str]) -> dic
     Only trainer.execution=workers applies the placement; under local execution (every role in one
     process on trainer.device) its errors are reported as warnings, since nothing would fail.
     """
-    roles = config.roles  # the roles the launcher starts workers for
+    roles = config.roles  # the roles the launcher starts workers for (not hosted ones: a LoRA run's reference)
     counts, notes = parameter_counts(config, roles)
     requirements, verdict = placement_verdict(config, inventory, env, counts)
     execution = getattr(config.trainer, "execution", "workers")
@@ -244,7 +244,7 @@ def check_placement(config, inventory: Inventory, env: Mapping[str, str]) -> dic
                   memory_basis=describe_memory_basis(DTYPE_BYTES[config.model.compute_dtype],
                                                      DTYPE_BYTES[config.model.master_dtype],
                                                      lora=bool(config.model.lora_rank)),
-                  errors=verdict.errors, warnings=verdict.warnings, notes=notes)
+                  errors=verdict.errors, warnings=verdict.warnings, notes=notes, hosted=hosted_roles(config))
 
 
 def collect_report(config=None, env: Mapping[str, str] | None = None, data_prompts: int | None = None) -> dict:
@@ -318,6 +318,7 @@ def _format_placement(placement: dict) -> list[str]:
         estimate = placement["requirements_gib"].get(role)
         suffix = f"  (estimate {estimate:.1f} GiB per device)" if estimate is not None else ""
         lines.append(f"        {role:<10} {where}{suffix}")
+    lines += [f"        {role:<10} {where}" for role, where in placement.get("hosted", {}).items()]
     if placement.get("memory_basis"):
         lines.append(f"        ({placement['memory_basis']})")
     lines += [f"  {'FAIL' if placement['applies'] else 'warn'}  {line}" for line in placement["errors"]]

@@ -23,7 +23,7 @@ from components.placement import (
     validate_placement,
 )
 from components.vllm_build import installed_vllm
-from flows.config import Config
+from flows.config import Config, worker_role
 from flows.training.engines import rollout_engine, rollout_engine_name
 from flows.training.preflight import check_model_folder
 from flows.training.registry import SHARDED_ROLES
@@ -121,6 +121,25 @@ def plan_placement(config: Config) -> dict[str, object]:
 def rollout_uses_tensor_parallel(config: Config) -> bool:
     """A rollout on several GPUs is one tensor-parallel vLLM engine (needs the CUDA build of vLLM)."""
     return config.rollout.engine in ("auto", "vllm") and installed_vllm() == "vllm"
+
+
+def hosted_roles(config: Config) -> dict[str, str]:
+    """Roles this run uses that get no worker, GPUs or memory of their own, as the placement shows them: role -> where
+    it runs. With LoRA, the reference: the actor's model with its adapter disabled (flows.config.worker_role)."""
+    if not (config.uses_reference and worker_role(config, "reference") == "actor"):
+        return {}
+    where = "worker" if config.trainer.execution == "workers" else "process"
+    return {"reference": f"the actor's model with its adapter disabled (model.lora_rank={config.model.lora_rank}), "
+                         f"in the actor's {where}: no GPU or memory of its own"}
+
+
+def worker_also_serves(config: Config) -> dict[str, list[str]]:
+    """Worker role -> the roles whose stages it serves besides its own (`rlhf worker --also-serve`): the actor's
+    serves a LoRA run's reference, which then has no worker of its own (two workers must never serve one stage)."""
+    served: dict[str, list[str]] = {}
+    for role in hosted_roles(config):
+        served.setdefault(worker_role(config, role), []).append(role)
+    return served
 
 
 def worker_preloads(config: Config, assignments: dict[str, object]) -> dict[str, list[str]]:

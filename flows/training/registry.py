@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 WORKER_ROLES = ("rollout", "actor", "reference", "critic", "reward")
-"""The roles that run in a worker of their own under trainer.execution=workers."""
+"""The roles that run in a worker of their own under trainer.execution=workers (a LoRA run's reference runs in the
+actor's: flows.config.worker_role)."""
 DRIVER = "driver"
 SHARDED_ROLES = ("actor", "critic")
 """Roles that may span several GPUs (FSDP2 ranks, components/distributed.py)."""

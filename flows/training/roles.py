@@ -22,7 +22,8 @@ from components.lora import lora_settings
 from components.models import compile_layers, load_tokenizer, resolve_device, resolve_dtype
 from components.reference import AdapterReference, Reference
 from components.rewards import RewardModel, load_reward_function
-from flows.config import Config, layout_for
+from flows.config import Config, layout_for, worker_role
+from flows.runtime import worker
 from flows.runtime.console import long_work, progress
 from flows.runtime.recovery import LATEST, restore_point, state_source
 from flows.runtime.residents import release_role, resident
@@ -132,9 +133,14 @@ def _compile_if_asked(config: Config, model) -> None:
 
 
 def _build_reference(config: Config):
-    if lora_settings(config.model) is not None and config.trainer.execution == "local":
-        # The base model is the actor's with its adapter disabled: no second copy (as verl does). Under workers
-        # the reference's own worker loads the initial policy, which is the same base.
+    if worker_role(config, "reference") == "actor":
+        # LoRA: the base model is the actor's with its adapter disabled, no second copy (as verl does); under
+        # workers the actor's worker runs the reference's stages (`rlhf worker --role actor --also-serve reference`).
+        if worker.CURRENT is not None and worker.CURRENT.state["role"] != "actor":
+            raise ValueError(f"model.lora_rank={config.model.lora_rank}: the reference is the actor's model with its "
+                             f"adapter disabled and runs in the actor's worker, not in this {worker.CURRENT.state['role']}"
+                             " worker; stop it and start the actor's with `rlhf worker --role actor --also-serve "
+                             "reference`")
         return AdapterReference(lambda: get_role(config, "actor"), micro_batch_size=config.actor.micro_batch_size)
     return Reference.from_pretrained(initial_policy_path(config), temperature=config.rollout.temperature,
                                      micro_batch_size=config.actor.micro_batch_size, fused=config.model.fused_logprobs,
@@ -191,6 +197,8 @@ def _loading_note(config: Config, name: str) -> tuple[str, str] | None:
     line, a quick build."""
     if name == "rollout":
         return rollout_engine(rollout_engine_name(config)).loading
+    if name == "reference" and worker_role(config, name) == "actor":
+        return None  # the actor's model with its adapter disabled: nothing loads
     if name in ("actor", "reference", "critic") or (name == "reward" and config.reward.kind == "model"):
         return f"loading the {name} model", ""
     return None

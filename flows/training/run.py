@@ -29,7 +29,7 @@ from flows.runtime.recovery import read_run_record
 from flows.runtime.supervision import RunLock, ServerWatch
 from flows.runtime.tasks import TASK_SCOPE_ENV
 from flows.runtime.tracking import tracking_uri
-from flows.training.plan import plan_placement, worker_preloads
+from flows.training.plan import hosted_roles, plan_placement, worker_also_serves, worker_preloads
 from flows.training.preflight import check_inputs
 from flows.training.train import train
 
@@ -57,9 +57,10 @@ def worker_pool(config: Config, api_url: str) -> Iterator["WorkerPool"]:
     os.environ[TASK_SCOPE_ENV] = config.run.name
     remove_run_files(heartbeat_directory)  # an earlier attempt's heartbeats and results: stale
     pool = WorkerPool(assignments, env, log_dir=Path(".rlhf/logs", config.run.name),
-                      preload=worker_preloads(config, assignments))
+                      preload=worker_preloads(config, assignments), also_serve=worker_also_serves(config))
     print("workers: " + ", ".join(f"{role} on {WorkerPool.devices_argument(devices)}"
-                                  for role, devices in assignments.items()))
+                                  for role, devices in assignments.items())
+          + "".join(f"; {role}: {where}" for role, where in hosted_roles(config).items()))
     pool.start()
     try:
         pool.wait_until_ready(heartbeat_directory)

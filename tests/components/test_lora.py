@@ -82,6 +82,23 @@ def test_only_the_adapters_train_and_hold_optimizer_state(model_path):
     assert all(parameter.requires_grad for parameter in held)
 
 
+def test_under_mixed_precision_the_frozen_base_is_held_in_the_compute_dtype(model_path):
+    """bf16 compute with fp32 masters: the base (nothing updates it) in bf16, 2 bytes a parameter instead of 4 + a
+    compute copy; the adapters in float32. The merged weights are W + delta summed in float32, rounded once."""
+    actor = _lora_actor(model_path, dtype="bfloat16", master_dtype="float32")
+    frozen = [parameter for parameter in actor.model.parameters() if not parameter.requires_grad]
+    trained = [parameter for parameter in actor.model.parameters() if parameter.requires_grad]
+    assert frozen and all(parameter.dtype == torch.bfloat16 for parameter in frozen)
+    assert trained and all(parameter.dtype == torch.float32 for parameter in trained)
+    assert _update(actor)["actor/update_rms_ratio"] > 0
+    layer = actor.model.get_base_model().model.layers[0].self_attn.q_proj
+    expected = (layer.base_layer.weight.float() + layer.get_delta_weight("default").float()).to(torch.bfloat16)
+    merged = merged_state_dict(actor.model, torch.bfloat16)
+    assert merged["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], expected)
+    assert not torch.equal(expected, layer.base_layer.weight)  # the update reached the merged weight
+
+
 def test_merged_weights_equal_peft_merge_and_unload_under_the_base_names(model_path):
     actor = _lora_actor(model_path)
     _update(actor)

@@ -182,6 +182,58 @@ def test_a_worker_that_dies_as_it_is_handed_a_run_is_replaced_and_the_run_submit
         assert read_stage(layout, step, "reward", expected_rows=len(uids), expected_uids=uids).num_rows == len(uids)
 
 
+def test_a_lora_runs_reference_runs_in_the_actors_worker_on_the_base_model(prefect_api, tmp_path, tiny_inputs,
+                                                                         monkeypatch, _config):
+    """LoRA (model.lora_rank > 0) with the KL loss: no reference worker is started; the actor's worker computes the
+    reference's log-probs on its own model with the adapter disabled, so they are the base model's at every step,
+    while the adapter trains (its log-probs move away from them after the first update)."""
+    import torch
+
+    from components.batch import build_sequence_batch
+    from components.models import load_tokenizer
+    from components.reference import Reference
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    config = _config(tmp_path, tiny_inputs, "lora-workers", model={"lora_rank": 4, "lora_alpha": 8},
+                     reward={"function": "dense_reward:digit_share"},  # advantages that are not all zero
+                     actor={"ppo_mini_batch_size": 2, "micro_batch_size": 4, "use_kl_loss": True, "optim": {"lr": 1e-2}})
+    state, beats, pool = _train_with_workers(config, prefect_api)
+    assert state.is_completed(), state
+    assert set(pool.processes) == {"rollout", "actor", "reward"}
+    by_role = {beat["role"]: beat for beat in beats}
+    assert set(by_role) == {"rollout", "actor", "reward"} and len(beats) == 3  # no reference worker ever beat
+    actor = by_role["actor"]
+    assert actor["serves"] == ["actor", "reference"]
+    assert sorted(step for stage, step in actor["finished"] if stage == "reference") == [0, 1]
+    assert "prepare_reference" not in {stage for stage, _ in actor["finished"]}  # nothing of its own to load
+    assert actor["load_counts"].get("actor") == 1  # one model in the run's trained roles: the actor's
+
+    layout = RunLayout(config.run.storage_root, config.run.name)
+    tokenizer = load_tokenizer(config.model.path)
+    base = Reference.from_pretrained(config.model.path, device="cpu", temperature=config.rollout.temperature,
+                                     micro_batch_size=4, fused=config.model.fused_logprobs)
+    for step in range(2):
+        rollout = read_stage(layout, step, "rollout")
+        uids = rollout.column("uid").to_pylist()
+        batch = build_sequence_batch(rollout.column("prompt_ids"), rollout.column("response_ids"),
+                                     tokenizer.pad_token_id, rollout.column("loss_mask"))
+        expected = base.compute_logprobs(batch)
+        reference = read_stage(layout, step, "reference", expected_rows=len(uids), expected_uids=uids)
+        policy = read_stage(layout, step, "old_logprobs", expected_rows=len(uids), expected_uids=uids)
+        gap = 0.0
+        for row, (ref, old) in enumerate(zip(reference.column("ref_logprobs").to_pylist(),
+                                             policy.column("old_logprobs").to_pylist())):
+            ref, old = torch.tensor(ref), torch.tensor(old)
+            assert len(ref) == len(rollout.column("response_ids")[row]) > 0
+            torch.testing.assert_close(ref, expected[row, :len(ref)], atol=1e-5, rtol=0)
+            gap = max(gap, float((ref - old).abs().max()))
+            if step == 0:  # LoRA's B starts at zero: the policy of step 0 is the base model
+                torch.testing.assert_close(old, ref, atol=1e-5, rtol=0)
+                sampled = torch.tensor(rollout.column("rollout_logprobs")[row].as_py())
+                torch.testing.assert_close(sampled[sampled.isfinite()], ref[sampled.isfinite()], atol=1e-4, rtol=0)
+        assert step == 0 or gap > 1e-3, gap  # the trained adapter moved the policy; the reference stayed the base
+
+
 def _final_actor_weights(config) -> dict[str, str]:
     root = Path(RunLayout(config.run.storage_root, config.run.name).run_dir)
     steps = config.trainer.total_steps

@@ -461,3 +461,39 @@ def test_multi_turn_rollout_options_are_validated():
     assert config_error([*tools, "rollout.ignore_eos=true"]).startswith("rollout.ignore_eos=true with rollout.max_turns > 1")
     config = build_config(None, [*tools, "rollout.max_turn_tokens=8"])
     assert (config.rollout.tools, config.rollout.max_turns, config.rollout.max_turn_tokens) == (["calculator"], 2, 8)
+
+
+# --- LoRA: the reference is the actor's model, in the actor's worker ---------------------------------------------
+
+
+def test_under_lora_the_reference_runs_in_the_actors_worker_and_gets_no_worker_of_its_own():
+    from flows.config import worker_role
+
+    full = build_config(None, ["actor.use_kl_loss=true", "trainer.execution=workers"])
+    assert full.roles == ["rollout", "actor", "reward", "reference"]
+    assert worker_role(full, "reference") == "reference"
+    lora = build_config(None, ["actor.use_kl_loss=true", "trainer.execution=workers", "model.lora_rank=8"])
+    assert lora.uses_reference and lora.roles == ["rollout", "actor", "reward"]
+    assert {role: worker_role(lora, role) for role in ("rollout", "actor", "reference", "critic", "reward", "driver")} \
+        == {"rollout": "rollout", "actor": "actor", "reference": "actor", "critic": "critic", "reward": "reward",
+            "driver": "driver"}
+    # the same in one process (the flow's process holds every role) and with a critic and the KL in the reward
+    local = build_config(None, ["algorithm.use_kl_in_reward=true", "model.lora_rank=4", "algorithm.adv_estimator=gae"])
+    assert local.roles == ["rollout", "actor", "reward", "critic"] and worker_role(local, "reference") == "actor"
+
+
+def test_lora_with_a_sharded_actor_or_critic_is_refused_in_one_line_before_anything_is_created():
+    workers = ["model.lora_rank=8", "trainer.execution=workers"]
+    assert config_error([*workers, "placement.roles.actor=[0,1]"]) == (
+        "model.lora_rank=8 with placement.roles.actor=[0, 1]: LoRA with the actor sharded over several GPUs (FSDP) "
+        "is not supported yet; give the actor one GPU (e.g. placement.roles.actor=[0]) or set model.lora_rank=0 "
+        "(full fine-tuning)")
+    assert config_error([*workers, "algorithm.adv_estimator=gae", "placement.default=[2,3]",
+                         "placement.roles.actor=[1]"]) == (
+        "model.lora_rank=8 with placement.default=[2, 3] (used by the critic): LoRA with the critic sharded over "
+        "several GPUs (FSDP) is not supported yet; give the critic one GPU (e.g. placement.roles.critic=[2]) or set "
+        "model.lora_rank=0 (full fine-tuning)")
+    # one GPU each, full fine-tuning on two, or one process (the placement applies only to workers): accepted
+    build_config(None, [*workers, "placement.roles.actor=[1]", "placement.default=[0]"])
+    build_config(None, ["trainer.execution=workers", "placement.roles.actor=[0,1]"])
+    build_config(None, ["model.lora_rank=8", "placement.roles.actor=[0,1]"])

@@ -19,6 +19,37 @@ def tracker():
     return RunTracker(RUN, "reward", TIMEOUT, now=100.0)
 
 
+def test_a_stage_of_a_role_without_a_worker_is_watched_through_the_worker_that_serves_it():
+    """A LoRA run's reference stages run in the actor's worker (`rlhf worker --role actor --also-serve reference`):
+    its heartbeat's `serves` says so; an actor's worker that does not serve them is no worker for them."""
+    runs = RunTracker(RUN, "reference", TIMEOUT, now=100.0)
+    actor = beat(101.0, role="actor", idle_since=100.0)
+    assert runs.observe([actor], running=False, now=101.0) == "no workers"
+    assert runs.observe([{**actor, "serves": ["actor"]}], running=False, now=101.0) == "no workers"
+    serving = {**actor, "serves": ["actor", "reference"]}
+    assert runs.observe([serving], running=False, now=101.0) == "waiting"
+    assert runs.observe([{**serving, "running": [RUN]}], running=True, now=101.5) == "attended"
+    assert RunTracker(RUN, "actor", TIMEOUT, now=100.0).observe([serving], running=False, now=101.0) == "waiting"
+
+
+def test_no_worker_serving_a_hosted_role_names_the_worker_to_start(tmp_path, monkeypatch):
+    import time
+
+    import pytest
+
+    from flows.runtime.dispatch import RemoteStage, WorkerLostError
+    from flows.runtime.worker import Heartbeat
+
+    assert Heartbeat("actor", "cpu", str(tmp_path), also_serve=["reference"]).state["serves"] == ["actor", "reference"]
+    monkeypatch.setenv("RLHF_WORKER_DIR", str(tmp_path / "no-workers"))
+    stage = RemoteStage.__new__(RemoteStage)  # no server: only the verdict and its line
+    stage.role, stage.worker_role, stage.relay, stage.worker_wait_s = "reference", "actor", None, 1.0
+    stage.submitted_at, stage.tracker = time.monotonic() - 10, RunTracker(RUN, "reference", TIMEOUT)
+    with pytest.raises(WorkerLostError, match=r"no live worker for role 'reference' after 1 s \(trainer.worker_wait_s\); "
+                                              r"start one: rlhf worker --role actor --also-serve reference --devices"):
+        stage._lost(None)
+
+
 def test_a_run_whose_worker_stops_beating_is_lost_one_timeout_after_it_was_last_held():
     runs = tracker()
     assert runs.observe([beat(101.0, running=[RUN])], running=True, now=101.0) == "attended"

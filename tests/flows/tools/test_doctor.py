@@ -165,6 +165,20 @@ def test_placement_on_two_gpus_with_estimates(machine, tiny_model, monkeypatch):
            "compute copy)" in doctor.format_report(report)
 
 
+def test_a_lora_runs_reference_is_the_actors_model_and_counts_no_memory_or_gpu(machine, tiny_model, monkeypatch):
+    monkeypatch.setattr(doctor, "inventory_from_system", lambda env: two_h200())
+    config = build_config(None, overrides(machine, tiny_model) + [
+        WORKERS, "actor.use_kl_loss=true", "model.lora_rank=4", "placement.roles.actor=[1]", "placement.default=[0]"])
+    report = doctor.collect_report(config)
+    placement = report["placement"]
+    assert placement["status"] == "ok", placement
+    assert placement["roles_in_use"] == ["rollout", "actor", "reward"]
+    assert placement["assignments"] == {"rollout": [0], "actor": [1], "reward": "cpu"}
+    assert set(placement["parameters"]) == set(placement["requirements_gib"]) == {"rollout", "actor"}
+    assert ("        reference  the actor's model with its adapter disabled (model.lora_rank=4), in the actor's worker: "
+            "no GPU or memory of its own") in doctor.format_report(report).splitlines()
+
+
 def test_a_model_that_cannot_be_counted_skips_its_memory_check(machine, monkeypatch):
     monkeypatch.setattr(doctor, "inventory_from_system", lambda env: two_h200())
     config = build_config(None, overrides(machine, str(machine / "no-model")))

@@ -1,10 +1,12 @@
-"""flows.training.plan: which workers preload vLLM, and the placement facts read off the config."""
+"""flows.training.plan: which workers preload vLLM or serve another role's stages, and the placement facts read off
+the config."""
 
 from __future__ import annotations
 
 from components.vllm_build import vllm_supports
 from flows.config import build_config
-from flows.training.plan import modelless_roles, rollout_uses_tensor_parallel, worker_preloads
+from flows.training.plan import (hosted_roles, modelless_roles, rollout_uses_tensor_parallel, worker_also_serves,
+                                 worker_preloads)
 
 
 def _config(tmp_path, engine="auto"):
@@ -48,3 +50,17 @@ def test_a_rule_reward_loads_no_model(tmp_path):
     assert modelless_roles(_config(tmp_path)) == ("reward",)
     model = build_config({"reward": {"kind": "model", "model_path": "rm"}})
     assert modelless_roles(model) == ()
+
+
+def test_a_lora_runs_reference_is_served_by_the_actors_worker_and_has_none_of_its_own(tmp_path):
+    def config(*overrides):
+        return build_config({"run": {"name": "r", "storage_root": str(tmp_path)}, "model": {"path": "m"},
+                             "data": {"train_files": ["t.parquet"]}}, ["trainer.execution=workers", *overrides])
+
+    lora = config("model.lora_rank=8", "actor.use_kl_loss=true")
+    assert worker_also_serves(lora) == {"actor": ["reference"]}
+    assert hosted_roles(lora) == {"reference": "the actor's model with its adapter disabled (model.lora_rank=8), in "
+                                               "the actor's worker: no GPU or memory of its own"}
+    # a reference worker of its own (full fine-tuning), or no reference at all: the actor serves only its stages
+    for other in (config("actor.use_kl_loss=true"), config("model.lora_rank=8")):
+        assert worker_also_serves(other) == {} and hosted_roles(other) == {}

@@ -86,3 +86,25 @@ def test_the_first_use_of_a_role_whose_blocks_compile_says_so_once(trained, monk
     assert lines == ["compiling the actor's blocks (first step only) ..."]
     trained_role(config, "actor", 3, "old_logprobs")
     assert lines == ["compiling the actor's blocks (first step only) ..."] and not first.model.rlhf_compile_pending
+
+
+def test_a_lora_runs_reference_is_the_actors_model_in_the_actors_process_only(tmp_path, monkeypatch):
+    """Under LoRA the reference is the resident actor's model with its adapter disabled, in one process and under
+    workers (the actor's worker serves its stages); a worker of another role refuses to build it (it would load a
+    second actor)."""
+    from components.reference import AdapterReference
+    from flows.runtime import worker
+
+    for execution in ("local", "workers"):
+        config = build_config({"run": {"name": "r", "storage_root": str(tmp_path)}},
+                              ["model.lora_rank=4", "actor.use_kl_loss=true", f"trainer.execution={execution}"])
+        assert isinstance(roles.BUILDERS["reference"](config), AdapterReference)
+        assert roles._loading_note(config, "reference") is None  # nothing loads: no progress line
+    monkeypatch.setattr(worker, "CURRENT", type("Beat", (), {"state": {"role": "actor"}})())
+    assert isinstance(roles.BUILDERS["reference"](config), AdapterReference)
+    monkeypatch.setattr(worker, "CURRENT", type("Beat", (), {"state": {"role": "reference"}})())
+    with pytest.raises(ValueError, match=r"^model.lora_rank=4: the reference is the actor's model with its adapter "
+                                         r"disabled and runs in the actor's worker, not in this reference worker; stop "
+                                         r"it and start the actor's with `rlhf worker --role actor --also-serve "
+                                         r"reference`$"):
+        roles.BUILDERS["reference"](config)
