@@ -282,6 +282,8 @@ class LoraMergedWeights(Mapping):
     def __init__(self, initial: Mapping[str, torch.Tensor], folder: str | Path):
         from safetensors.torch import load_file
 
+        from components.lora import base_name
+
         folder = Path(folder)
         settings = json.loads((folder / "adapter_config.json").read_text())
         self.initial, self.scale = initial, settings["lora_alpha"] / settings["r"]
@@ -289,12 +291,12 @@ class LoraMergedWeights(Mapping):
         self.factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.other: dict[str, torch.Tensor] = {}
         """Tensors trained in full (a value head under peft's modules_to_save), by their base name."""
-        for name, tensor in adapter.items():
-            base = name.removeprefix("base_model.model.")
-            if ".lora_A." in base:
-                self.factors[base.replace(".lora_A.", ".")] = (tensor, adapter[name.replace(".lora_A.", ".lora_B.")])
-            elif ".lora_B." not in base:
-                self.other[base.replace(".modules_to_save.default.", ".")] = tensor
+        for name, tensor in adapter.items():  # peft's names, as components.lora.base_name maps them
+            if ".lora_A." in name:
+                self.factors[base_name(name.replace(".lora_A.", "."))] = (
+                    tensor, adapter[name.replace(".lora_A.", ".lora_B.")])
+            elif ".lora_B." not in name:
+                self.other[base_name(name)] = tensor
         missing = sorted(set(self.factors) - set(initial))
         if missing:
             raise ValueError(f"{folder}: adapter tensors for weights the initial model lacks, e.g. {missing[0]}")

@@ -99,14 +99,15 @@ def checkpoint_report(config, counts: dict[str, int] | None = None, speed: float
         return _with_cost(report, "size unknown (the models' parameters could not be counted: see Placement)")
     per_parameter = 3 * DTYPE_BYTES[config.model.master_dtype]  # the weights and AdamW's two moments
     adapters = adapter_counts(config, counts)  # LoRA: a checkpoint holds the adapters (fp32) and their moments
-    if adapters is not None and all(role in adapters for role in trained):
+    lora = adapters is not None and all(role in adapters for role in trained)
+    if lora:
         counts, per_parameter = adapters, 12
     size = sum(counts[role] for role in trained) * per_parameter
     speed, where = storage_write_speed(config.run.storage_root) if speed is None else (speed, "given")
     report |= {"bytes": size, "write_bytes_per_s": speed}
     what = (f"each {size / 1e9:.2f} GB ({' + '.join(trained)}: {per_parameter} bytes a parameter, "
             + ("the LoRA adapters' float32 weights and AdamW's two moments; the base is the initial model)"
-               if adapters is not None and counts is adapters else
+               if lora else
                f"{config.model.master_dtype} weights and AdamW's two moments)"))
     if speed is None:
         return _with_cost(report, f"{what}; the storage root's write speed was not measured ({where})")
