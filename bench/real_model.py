@@ -33,7 +33,7 @@ for path in (HERE, ROOT):
 STEP_LINE = re.compile(r"step (\d+)/\d+ \| score [-0-9.na]+ (\| val ([-0-9.]+) )?.*\bstep ([0-9.]+)s")
 PER_STEP = ("critic/score/mean", "critic/score/equal_group_frac", "response_length/clip_ratio",
             "response_length/mean", "actor/update_rms_ratio", "actor/grad_norm", "timing_s/step", "timing_s/gen",
-            "timing_s/update_actor")
+            "timing_s/update_actor", "rollout/tool_calls/mean", "rollout/turns/mean", "rollout/tool_errors")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -94,7 +94,9 @@ def curve_from_mlflow(tracking_uri: str, experiment: str, run_name: str, last_st
              for step, value in sorted(validation.items()) if step in wall]
     train = [{"step": step, **{name: per_step[name].get(step) for name in PER_STEP}}
              for step in sorted(per_step["timing_s/step"])]
-    return {"mlflow_run_id": run_id, "curve": curve, "train": train}
+    before = history("warm_start/val_reward_before")  # a run with a warm-start: validation before it
+    return {"mlflow_run_id": run_id, "curve": curve, "train": train,
+            "val_reward_before_warm_start": next(iter(before.values()), None)}
 
 
 def main(argv=None) -> dict:

@@ -40,8 +40,9 @@ class PromptRecord:
     prompt_text: str
     ground_truth: str
     data_source: str
-    # What supervised warm-start trains towards (warm_start.target): a worked answer or the ground truth.
-    target_text: str | None
+    # What supervised warm-start trains towards (warm_start.target): a worked answer or the ground truth, or a
+    # multi-turn demonstration: assistant and tool messages, the tools' answers attended to but not trained on.
+    target_text: str | tuple[dict, ...] | None
     extra_info: str = "null"
     """The row's extra_info as JSON text ("null" when the file has none); the reward function gets it decoded."""
 
@@ -238,7 +239,23 @@ def _target_text(row: dict, target: str, field: str) -> str | None:
             return row["ground_truth"]
         raise ValueError(f"warm_start.target={target!r}: row {row['source_row']} of {row['source_file']!r} has no "
                          f"extra_info.{key}; use {WARM_START_TARGETS}")
+    if isinstance(value, list):
+        return _demonstration(value, row, target)
     return str(value)
+
+
+def _demonstration(messages: list, row: dict, target: str) -> tuple[dict, ...]:
+    """A warm-start target that is a conversation: [{"role": "assistant"|"tool", "content": str}, ...], ending with
+    the policy's own turn (as a multi-turn rollout's response does)."""
+    where = f"warm_start.target={target!r}: row {row['source_row']} of {row['source_file']!r}"
+    for position, message in enumerate(messages):
+        if (not isinstance(message, dict) or message.get("role") not in ("assistant", "tool")
+                or not isinstance(message.get("content"), str)):
+            raise ValueError(f"{where}: message {position} is {message!r}; a demonstration is a list of "
+                             '{"role": "assistant" or "tool", "content": text}')
+    if not messages or messages[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: a demonstration must end with an assistant message (the policy's last turn)")
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
 
 
 class PromptSampler:

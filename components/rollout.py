@@ -212,7 +212,12 @@ class HFRolloutEngine:
             tokens = new_tokens[row].tolist()
             finish = "length"
             end = next((position for position, token in enumerate(tokens) if token in eos), None)
-            if end is not None:
+            stopped = self._stop_string_end(tokens, params.stop) if params.stop else None
+            if stopped is not None and (end is None or stopped <= end):
+                # A stop string ended it; what follows is padding, which is the eos itself where pad == eos
+                # (SmolLM2, many others): not a token the policy wrote.
+                tokens, finish = tokens[:stopped], "stop"
+            elif end is not None:
                 tokens = tokens[: end + 1]
                 finish = "stop"
             elif params.stop and pad is not None and tokens and tokens[-1] == pad:
@@ -226,6 +231,13 @@ class HFRolloutEngine:
                 text=self.tokenizer.decode(tokens, skip_special_tokens=True),
             ))
         return results
+
+    def _stop_string_end(self, tokens: list[int], stops: Sequence[str]) -> int | None:
+        """The length of the shortest prefix of `tokens` whose text holds one of `stops` (None: none does)."""
+        if not any(stop in self.tokenizer.decode(tokens, skip_special_tokens=False) for stop in stops):
+            return None
+        return next(length for length in range(1, len(tokens) + 1)
+                    if any(stop in self.tokenizer.decode(tokens[:length], skip_special_tokens=False) for stop in stops))
 
     def generate_text(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         """Convenience for plain-text prompts (no chat template applied)."""

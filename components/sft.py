@@ -13,17 +13,36 @@ from typing import Callable, Sequence
 import torch
 from pydantic import Field
 
-from components.algorithms import masked_mean
+from components.algorithms import logprobs_from_logits, masked_mean
 from components.batch import build_sequence_batch, response_logits
 from components.settings import Section
-from components.algorithms import logprobs_from_logits
+from components.tools import DEFAULT_TOOL_RESPONSE_TEMPLATE
+
+
+def target_tokens(tokenizer, target: str | Sequence[dict],
+                  tool_response_template: str = DEFAULT_TOOL_RESPONSE_TEMPLATE) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one warm-start target, end-of-sequence last. A text is trained on throughout; a
+    demonstration (assistant and tool messages, components.data) is laid out as a multi-turn rollout lays out its
+    response (components/multi_turn.py): each message tokenized alone, a tool's answer through
+    `tool_response_template` with mask 0 (the model reads it, as it will read the tool, but is not taught to
+    write it)."""
+    segments = [(target, 1)] if isinstance(target, str) else [
+        (m["content"], 1) if m["role"] == "assistant" else (tool_response_template.format(result=m["content"]), 0)
+        for m in target]
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, trained in segments:
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += tokens
+        mask += [trained] * len(tokens)
+    return ids + [tokenizer.eos_token_id], mask + [1]
 
 
 def warm_start(
     model,
     tokenizer,
     prompt_ids: Sequence[Sequence[int]],
-    target_texts: Sequence[str],
+    target_texts: Sequence[str | Sequence[dict]],
     *,
     steps: int,
     batch_size: int,
@@ -33,17 +52,18 @@ def warm_start(
     resume: dict | None = None,
     checkpoint_every: int = 0,
     on_checkpoint: Callable[[int, dict], None] | None = None,
+    tool_response_template: str = DEFAULT_TOOL_RESPONSE_TEMPLATE,
 ) -> list[float]:
     """Fine-tune `model` in place for `steps` AdamW steps; return the loss of each step. `on_step(step, loss)`
-    is called after each step (1-based), e.g. to report progress.
+    is called after each step (1-based), e.g. to report progress. A target is a text or a multi-turn
+    demonstration (`target_tokens`: the tools' answers are read, not trained on).
 
     Every `checkpoint_every` steps (before the last) `on_checkpoint(step, state)` gets what continuing needs
     besides the weights: the AdamW state, the data order's generator, torch's RNG and the losses so far.
     `resume` (such a state, with `model` holding the weights saved beside it) continues from its step, and
     ends with exactly the weights of a run that was never stopped."""
     device = next(model.parameters()).device
-    targets = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-               for text in target_texts]
+    targets, masks = zip(*[target_tokens(tokenizer, target, tool_response_template) for target in target_texts])
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(seed)
     losses: list[float] = []
@@ -56,7 +76,7 @@ def warm_start(
     while len(losses) < steps:
         rows = torch.randint(len(targets), (batch_size,), generator=generator).tolist()
         batch = build_sequence_batch([prompt_ids[r] for r in rows], [targets[r] for r in rows],
-                                     tokenizer.pad_token_id).to(device)
+                                     tokenizer.pad_token_id, loss_masks=[masks[r] for r in rows]).to(device)
         logprobs = logprobs_from_logits(response_logits(model, batch), batch.response_ids)
         loss = -masked_mean(logprobs, batch.response_mask)
         optimizer.zero_grad(set_to_none=True)

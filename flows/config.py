@@ -14,7 +14,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 # The sections of the roles live beside the code they configure (torchtitan's rule); this tree composes them
-# and checks what spans sections. The run's own sections (run, algorithm, trainer, tracking) are here.
+# and checks what spans sections. The run's own sections (run, algorithm, trainer) are here, tracking beside it.
 from components.actor import ActorConfig
 from components.algorithms import (ESTIMATORS_NEEDING_CRITIC, get_advantage_estimator, get_kl_estimator,
                                    get_loss_aggregation, get_policy_loss)
@@ -28,6 +28,7 @@ from components.rollout import RolloutConfig
 from components.settings import Section
 from components.sft import WarmStartConfig
 from components.vllm_build import installed_vllm
+from flows.tracking_config import TrackingConfig
 from storage import RunLayout
 
 
@@ -142,32 +143,6 @@ class TrainerConfig(Section):
     train/run` are continued by hand: `rlhf resume`."""
 
 
-class TrackingConfig(Section):
-    tracking_uri: str = "sqlite:///.rlhf/mlflow.db"
-    """MLflow tracking URI (SQLite by default; any MLflow server URI works)."""
-    experiment: str = "rlhf"
-    """MLflow experiment name."""
-    registered_model: str | None = None
-    """Register the final policy (logged as an MLflow transformers model under `model/`) as a new version of
-    this MLflow registered model, tagged with val_reward_end and the run name (e.g. `rlhf-nightly`); None: log
-    it, register nothing (`null` on the command line)."""
-
-    @field_validator("registered_model", mode="before")
-    @classmethod
-    def _a_model_name(cls, value):
-        if value == "null":  # a key=value override keeps text as typed
-            return None
-        if isinstance(value, str):
-            if not value.strip():
-                raise ValueError("is empty; name an MLflow registered model (e.g. rlhf-nightly), or leave it unset "
-                                 "(null) to register nothing")
-            if value != value.strip() or not value[0].isalnum() or not all(
-                    character.isalnum() or character in " ._-" for character in value):
-                raise ValueError("is not a model name: use letters, digits, spaces, '.', '_' or '-', starting with "
-                                 "a letter or digit (e.g. rlhf-nightly)")
-        return value
-
-
 class Config(Section):
     """Everything one training run needs."""
 
@@ -196,6 +171,10 @@ class Config(Section):
             self.algorithm.kl_ctrl.target_kl is None or self.algorithm.kl_ctrl.horizon is None
         ):
             raise ValueError("algorithm.kl_ctrl: type=adaptive needs target_kl and horizon")
+        if self.tracking.registered_model and not self.tracking.log_model:
+            raise ValueError(f"tracking.registered_model={self.tracking.registered_model!r} needs "
+                             "tracking.log_model=true (a registered version points at the logged model); unset one "
+                             "of them")
         if self.reward.kind == "model" and not self.reward.model_path:
             raise ValueError("reward.model_path: required when reward.kind=model")
         if self.trainer.one_step_ahead and self.trainer.execution != "workers":

@@ -3,9 +3,10 @@
 A row asks for the product or sum of two `digits`-digit numbers and says how to call the built-in calculator
 (components/tools.py) in the tool-call format of multi-turn rollouts (components/multi_turn.py). It is scored by
 `final_turn_number` (reward.function=auto picks it for data_source `tool_arithmetic`): the last number of the policy's
-last turn, so a number only the tool wrote does not count. `extra_info.tool_call` is the call that solves the
-problem (a warm-start target: warm_start.target=extra_info.tool_call); `extra_info.expression` its expression.
-Train and validation problems are disjoint.
+last turn, so a number only the tool wrote does not count. `extra_info.demonstration` is the conversation that
+solves it (the call, the calculator's answer, the final number: warm_start.target=extra_info.demonstration trains
+on the policy's two turns and reads the tool's); `extra_info.tool_call` is the call alone and
+`extra_info.expression` its expression. Train and validation problems are disjoint.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ OPERATIONS = ("*", "+")
 def tool_call_text(expression: str) -> str:
     """The call of the calculator on `expression`, as the policy writes it."""
     return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + "</tool_call>"
+
+
+def demonstration(expression: str, answer: int) -> list[dict]:
+    """The conversation that solves `expression`: the policy calls the calculator, reads its answer, says it."""
+    return [{"role": "assistant", "content": tool_call_text(expression)},
+            {"role": "tool", "content": str(answer)},
+            {"role": "assistant", "content": str(answer)}]
 
 
 def tool_arithmetic_rows(count: int, seed: int, digits: int = 6, split: str = "train",
@@ -50,7 +58,8 @@ def tool_arithmetic_rows(count: int, seed: int, digits: int = 6, split: str = "t
                      "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(expression=expression)}],
                      "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(answer)},
                      "extra_info": {"split": split, "index": len(rows), "expression": expression,
-                                    "tool_call": tool_call_text(expression)}})
+                                    "tool_call": tool_call_text(expression),
+                                    "demonstration": demonstration(expression, answer)}})
     return rows
 
 

@@ -82,7 +82,8 @@ def _print_where_to_look(config, summary: dict, flow_run_id) -> None:
     print("\nfinished. Where to look:")
     print(f"  run folder   {summary['run_dir']}")
     if "export_dir" in summary:
-        print(f"  final model  {summary['export_dir']}  (Hugging Face folder; also in MLflow under model/)")
+        print(f"  final model  {summary['export_dir']}  (Hugging Face folder"
+              + ("; also in MLflow under model/)" if "mlflow_model" in summary else ")"))
     print(f"  MLflow run   {summary['mlflow_run_id']}")
     print(f"     view:     {bin_dir}/mlflow ui --backend-store-uri {tracking_uri(config)}")
     print(f"               then http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{summary['mlflow_run_id']}")

@@ -126,7 +126,10 @@ def _load_run_tokenizer(candidates, trust_remote_code: bool, local_weights: Path
 
 
 def _copy_weights(fs, source: str, target: Path) -> None:
-    """Every file of the weights folder except the commit marker (the export is not a run folder)."""
+    """Every file of the weights folder except the commit marker (the export is not a run folder). The weight
+    files (.safetensors) of a local run folder are hard-linked when the export is on the same file system: a
+    committed weights folder is never written again (a new step is a new folder), so the export costs no second
+    copy of the model on disk, and deleting the run's old weights (trainer.keep_weights) leaves it whole."""
     source = source.rstrip("/")
     for remote in fs.find(source):
         relative = remote[len(source):].lstrip("/")
@@ -134,6 +137,10 @@ def _copy_weights(fs, source: str, target: Path) -> None:
             continue
         destination = target / relative
         destination.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(fs, LocalFileSystem) and relative.endswith(".safetensors"):
+            with contextlib.suppress(OSError):  # another file system (EXDEV), or links not allowed: copy
+                os.link(fs._strip_protocol(remote), destination)
+                continue
         fs.get_file(remote, str(destination))
 
 

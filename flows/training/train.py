@@ -166,11 +166,14 @@ def retry_when_crashed(flow, flow_run, state) -> None:
 
 
 def _log_final_model(state: RunState, summary: dict) -> None:
-    """The exported policy as an MLflow transformers model and, with tracking.registered_model, a new version
-    of that registered model tagged with the final validation reward and the run's name."""
+    """The exported policy as an MLflow transformers model (unless tracking.log_model=false) and, with
+    tracking.registered_model, a new version of that registered model tagged with the final validation reward and
+    the run's name."""
     config = state.config
     rollout = config.rollout
-    state.tracker.log_model(summary["export_dir"], generation_params={
+    if not config.tracking.log_model:
+        return
+    summary["mlflow_model"] = state.tracker.log_model(summary["export_dir"], generation_params={
         "max_new_tokens": rollout.max_new_tokens, "temperature": rollout.temperature, "do_sample": True})
     if config.tracking.registered_model:
         version = state.tracker.register_model(config.tracking.registered_model, tags={
@@ -231,7 +234,8 @@ def train(config: Config | None = None, config_file: str | None = None, deployme
         end = state.history[-1] if state.history else state.wait(state.submit(validate, trainer.total_steps))
         summary["val_reward_end"] = end["val/reward/mean"]
         # The final policy as a Hugging Face folder (weights + tokenizer), also as an MLflow model.
-        progress(f"exporting the final policy (step {trainer.total_steps}) and logging it to MLflow as a model ...")
+        progress(f"exporting the final policy (step {trainer.total_steps})"
+                 + (" and logging it to MLflow as a model ..." if config.tracking.log_model else " ..."))
         state.committed_policy(trainer.total_steps)  # the last step's stored copy, which the export reads
         summary["export_dir"] = str(export_run(config.run.storage_root, config.run.name))
         _log_final_model(state, summary)

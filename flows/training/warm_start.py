@@ -89,7 +89,8 @@ def warm_start(config: Config) -> StageResult:
         losses = fine_tune(model, tokenizer, [r.prompt_ids for r in records], [r.target_text for r in records],
                            steps=steps, batch_size=config.warm_start.batch_size, lr=config.warm_start.lr,
                            seed=config.trainer.seed, on_step=report, resume=resume,
-                           checkpoint_every=config.warm_start.checkpoint_every, on_checkpoint=save)
+                           checkpoint_every=config.warm_start.checkpoint_every, on_checkpoint=save,
+                           tool_response_template=config.rollout.tool_response_template)
     metrics["warm_start/loss_first"], metrics["warm_start/loss_last"] = losses[0], losses[-1]
     path = initial_policy_path(config)
     if is_writer():

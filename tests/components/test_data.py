@@ -137,6 +137,22 @@ def test_extra_info_passes_as_json_and_the_worked_answer_is_the_warm_start_targe
     assert record.extra_info == "null" and record.target_text == "7"
 
 
+def test_a_demonstration_target_is_a_conversation_and_a_bad_one_is_named(tmp_path, tokenizer):
+    turns = [{"role": "assistant", "content": "<tool_call>...</tool_call>"}, {"role": "tool", "content": "7"},
+             {"role": "assistant", "content": "7"}]
+    row = {**GSM8K_ROW, "extra_info": {**GSM8K_ROW["extra_info"], "demonstration": turns,
+                                       "dangling": turns[:2], "odd": [{"role": "user", "content": "hi"}]}}
+    path = _write_rows(tmp_path / "d.parquet", [row])
+    (record,), _ = load_prompts(path, tokenizer, max_prompt_length=64, target="extra_info.demonstration")
+    assert record.target_text == tuple(turns)
+    with pytest.raises(ValueError, match=r"warm_start.target='extra_info.dangling': row 0 .* must end with an "
+                                         r"assistant message"):
+        load_prompts(path, tokenizer, max_prompt_length=64, target="extra_info.dangling")
+    with pytest.raises(ValueError, match=r"warm_start.target='extra_info.odd': row 0 .* message 0 is "
+                                         r"\{'role': 'user', 'content': 'hi'\}"):
+        load_prompts(path, tokenizer, max_prompt_length=64, target="extra_info.odd")
+
+
 def test_an_empty_file_says_empty(tmp_path, tokenizer):
     schema = pa.schema([("prompt", pa.string()), ("reward_model", pa.struct([("ground_truth", pa.string())]))])
     path = tmp_path / "empty.parquet"

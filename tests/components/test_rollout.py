@@ -266,3 +266,20 @@ def test_generation_stops_at_every_eos_the_model_declares(model, tokenizer):
     # The model as it was stops only at the tokenizer's eos, so the same greedy response goes on past `first`.
     plain = HFRolloutEngine(model, tokenizer).generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=6))[0]
     assert plain.response_ids[0] == first and len(plain.response_ids) > 1
+
+
+def test_a_stop_string_ends_a_response_even_where_padding_is_the_eos(model, tokenizer):
+    """A row ended by a stop string is padded to the batch's longest; where pad == eos (SmolLM2's tokenizer) that
+    padding must not read as an eos the policy wrote: the response ends with the stop string, finish "stop"."""
+    stopping, running = PROMPTS[0], PROMPTS[1]
+    continuation = _manual_greedy(model, stopping, 6, eos=tokenizer.eos_token_id)
+    stop = tokenizer.decode(continuation[:1])  # one token: a longer one could match across the prompt's end
+    assert stop and stop not in tokenizer.decode(_manual_greedy(model, running, 6, eos=tokenizer.eos_token_id))
+    padded_with_eos = copy.deepcopy(tokenizer)
+    padded_with_eos.pad_token = padded_with_eos.eos_token
+    assert padded_with_eos.pad_token_id == tokenizer.eos_token_id
+    engine = HFRolloutEngine(model, padded_with_eos)
+    first, second = engine.generate([stopping, running], SamplingParams(temperature=0.0, max_new_tokens=6,
+                                                                        stop=(stop,)))
+    assert (first.response_ids, first.finish_reason) == (continuation[:1], "stop")
+    assert (len(second.response_ids), second.finish_reason) == (6, "length")

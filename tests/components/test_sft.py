@@ -74,3 +74,35 @@ def test_warm_start_mixed_lengths_first_loss_is_token_mean(model, tokenizer):
         count += len(targets[row])
     losses = warm_start(model, tokenizer, prompts, ["2", "300"], steps=1, batch_size=8, lr=1e-3, seed=0)
     assert losses[0] == pytest.approx(total / count, abs=1e-4)
+
+
+DEMONSTRATION = [{"role": "assistant", "content": "c(2*3)"}, {"role": "tool", "content": "6"},
+                 {"role": "assistant", "content": "6"}]
+
+
+def test_a_demonstration_is_laid_out_as_a_rollout_with_the_tools_answer_masked(tokenizer):
+    from components.sft import target_tokens
+
+    eos = tokenizer.eos_token_id
+    assert target_tokens(tokenizer, "46") == (list(b"46") + [eos], [1, 1, 1])
+    ids, mask = target_tokens(tokenizer, DEMONSTRATION, tool_response_template="<r>{result}</r>")
+    assert ids == list(b"c(2*3)") + list(b"<r>6</r>") + list(b"6") + [eos]
+    assert mask == [1] * 6 + [0] * 8 + [1, 1]
+
+
+def test_the_warm_start_loss_leaves_the_tools_answer_out(model, tokenizer):
+    """The first loss is the mean NLL of the policy's tokens only: the tool's answer is read, not trained on."""
+    prompt = list(b"2*3=")
+    template = "<r>{result}</r>"
+    sequence = list(b"c(2*3)<r>6</r>6") + [tokenizer.eos_token_id]
+    trained = [1] * 6 + [0] * 8 + [1, 1]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + sequence])).logits[0]
+    log_probs = torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(sequence)], dim=-1)
+    nll = -log_probs.gather(-1, torch.tensor(sequence)[:, None])[:, 0]
+    expected = float((nll * torch.tensor(trained)).sum() / sum(trained))
+    everything = float(nll.mean())
+    assert abs(expected - everything) > 1e-3  # the check below could tell the two apart
+    losses = warm_start(model, tokenizer, [prompt], [DEMONSTRATION], steps=1, batch_size=1, lr=1e-3,
+                        tool_response_template=template)
+    assert losses[0] == pytest.approx(expected, abs=1e-4)

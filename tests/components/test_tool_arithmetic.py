@@ -24,6 +24,13 @@ def test_rows_pose_large_products_and_sums_with_the_call_that_solves_them():
         assert row["data_source"] == "tool_arithmetic" and f"Compute {expression}." in row["prompt"][0]["content"]
         call = parse_tool_call(row["extra_info"]["tool_call"])  # the documented call format, readable as such
         assert call.name == "calculator" and calculator(**call.arguments) == row["reward_model"]["ground_truth"]
+        # the demonstration: the call, the calculator's answer, the policy saying it; auto's scorer gives it 1
+        demonstration = row["extra_info"]["demonstration"]
+        assert [m["role"] for m in demonstration] == ["assistant", "tool", "assistant"]
+        assert demonstration[0]["content"] == row["extra_info"]["tool_call"]
+        assert demonstration[1]["content"] == demonstration[2]["content"] == row["reward_model"]["ground_truth"]
+        assert auto_reward("tool_arithmetic", "", row["reward_model"]["ground_truth"],
+                           {"messages": demonstration}) == 1.0
     assert tool_call_text("1+2") == '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
 
 

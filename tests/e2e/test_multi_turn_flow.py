@@ -60,7 +60,9 @@ def test_a_multi_turn_rollout_calls_the_calculator_and_masks_its_answer(prefect_
         reward={"function": "tool_reward:policy_digits"},
         actor={"ppo_mini_batch_size": 2, "micro_batch_size": 4},
         warm_start={"steps": 200, "batch_size": 8, "lr": 3e-3, "target": "extra_info.tool_call"},
-        trainer={"total_steps": 1, "val_every": 0, "device": "cpu"})
+        trainer={"total_steps": 1, "val_every": 0, "device": "cpu"},
+        # the final policy in the run folder only (not copied again into MLflow's artifact store)
+        tracking={"log_model": False})
     state = train(config, return_state=True)
     assert state.is_completed(), state
 
@@ -115,3 +117,5 @@ def test_a_multi_turn_rollout_calls_the_calculator_and_masks_its_answer(prefect_
     assert run.data.metrics["rollout/tool_calls/mean"] > 0
     assert 0 < run.data.metrics["rollout/tool_token_frac"] < 1
     assert "actor/pg_loss" in run.data.metrics
+    assert os.path.isfile(os.path.join(layout.run_dir, "export", "step-1", "config.json"))
+    assert not [item.path for item in client.list_artifacts(run.info.run_id) if item.path == "model"]

@@ -179,6 +179,9 @@ CONFIG_CASES = {
     "empty registered model": (["tracking.registered_model= "],
                                "tracking.registered_model=' ': is empty; name an MLflow registered model (e.g. "
                                "rlhf-nightly), or leave it unset (null) to register nothing"),
+    "registering a model not logged": (["tracking.registered_model=nightly", "tracking.log_model=false"],
+                                       "tracking.registered_model='nightly' needs tracking.log_model=true (a "
+                                       "registered version points at the logged model); unset one of them"),
 }
 
 

@@ -109,6 +109,20 @@ def test_export_explicit_step_and_output(run_root, tiny_model_dir, tmp_path):
     assert sorted(path.name for path in output.parent.iterdir()) == ["exp-step2"]
 
 
+def test_a_local_export_links_the_weight_files_and_outlives_the_run_folders_copy(run_root, tiny_model_dir):
+    """No second copy of the model on disk: the export's .safetensors is the weights folder's file (a hard link),
+    the small files are its own, and deleting the run's weights (trainer.keep_weights does) leaves it whole."""
+    import shutil
+
+    root, sources = run_root
+    export = export_run(str(root), RUN, step=3)
+    weights = Path(RunLayout(str(root), RUN).weights_dir("actor", 3))
+    assert (export / "model.safetensors").stat().st_ino == (weights / "model.safetensors").stat().st_ino
+    assert (export / "config.json").stat().st_ino != (weights / "config.json").stat().st_ino
+    shutil.rmtree(weights)
+    _assert_loads_with(export, sources[3], tiny_model_dir)
+
+
 def test_missing_step_lists_the_available_steps(run_root):
     root, _ = run_root
     with pytest.raises(ValueError, match=r"step 4 has no committed actor weights; available steps: 2, 3"):
