@@ -11,7 +11,8 @@
 #                                        none-s0, none-s1     no tool (rollout.max_turns=1, warm-started on the answer)
 # Settings (environment): STEPS (40), ARMS ("tools-s0 tools-s1 none-s0 none-s1"), UTIL and KV (each run's
 # rollout.gpu_memory_utilization, 0.1, and rollout.kv_cache_gib, 4: fixed, so that four engines and their actors fit
-# one GPU whichever of them sleeps or wakes), EXTRA (more overrides for every run). Results: $OUT/tools-<arm>.json, .log; a table at the end.
+# one GPU whichever of them sleeps or wakes), EXTRA (more overrides for every run), DEADLINE_S (590: each run is
+# stopped that many seconds after the script started). Results: $OUT/tools-<arm>.json, .log; a table at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -41,12 +42,20 @@ for arm in ${ARMS:-tools-s0 tools-s1 none-s0 none-s1}; do
              trainer.seed=$seed run.storage_root=/tmp/real/runs "tracking.tracking_uri=sqlite:////tmp/real/mlflow-$arm.db"
              rollout.gpu_memory_utilization=$UTIL rollout.kv_cache_gib=$KV model.compile=false tracking.log_model=false)
   case $arm in none-*) overrides+=(rollout.max_turns=1 "rollout.tools=[]" warm_start.target=ground_truth) ;; esac
-  timeout $((590 - (SECONDS - STARTED))) python3 bench/real_model.py configs/smollm2-tools.yaml "${overrides[@]}" ${EXTRA:-} \
+  timeout $((${DEADLINE_S:-590} - (SECONDS - STARTED))) python3 bench/real_model.py configs/smollm2-tools.yaml "${overrides[@]}" ${EXTRA:-} \
     --budget-s 100000 --max-steps "$STEPS" --name "tools-$arm" --out "$OUT/tools-$arm.json" > "$OUT/tools-$arm.stdout" 2>&1 &
   sleep 20  # one engine's memory profile at a time: each checks what is free when it starts
 done
 wait
 say "done"
+for arm in ${ARMS:-tools-s0 tools-s1 none-s0 none-s1}; do  # a run stopped at the deadline: its curve from MLflow
+  [ -f "$OUT/tools-$arm.json" ] || python3 -c "
+import json, sys; from bench.real_model import curve_from_mlflow
+result = {'stopped_at_deadline': True, **curve_from_mlflow('sqlite:////tmp/real/mlflow-$arm.db', 'rlhf', 'tools-$arm', None)}
+moved = [row['actor/update_rms_ratio'] for row in result['train'] if row['actor/update_rms_ratio'] is not None]
+result['update_rms_ratio_min'] = min(moved) if moved else None
+json.dump(result, open('$OUT/tools-$arm.json', 'w'), indent=1)" || echo "== $arm: no MLflow curve"
+done
 python3 - "$OUT" <<'PY'
 import json, sys, pathlib
 for path in sorted(pathlib.Path(sys.argv[1]).glob("tools-*.json")):
