@@ -10,9 +10,11 @@
 #                                        tools-s0, tools-s1   the calculator (rollout.max_turns=2), seeds 0 and 1
 #                                        none-s0, none-s1     no tool (rollout.max_turns=1, warm-started on the answer)
 # Settings (environment): STEPS (40), ARMS ("tools-s0 tools-s1 none-s0 none-s1"), UTIL and KV (each run's
-# rollout.gpu_memory_utilization, 0.1, and rollout.kv_cache_gib, 4: fixed, so that four engines and their actors fit
-# one GPU whichever of them sleeps or wakes), EXTRA (more overrides for every run), DEADLINE_S (590: each run is
-# stopped that many seconds after the script started). Results: $OUT/tools-<arm>.json, .log; a table at the end.
+# rollout.gpu_memory_utilization, 0.1, and rollout.kv_cache_gib, 4: fixed, so that the engines and actors sharing
+# the GPU fit whichever of them sleeps or wakes), EXTRA (more overrides for every run), DEADLINE_S (590: each run is
+# stopped that many seconds after the script started), PARALLEL (2: arms run two at a time; four at once on an 80 GB
+# H100 lost one to an engine that failed to start and one to CUDA out of memory). Results: $OUT/tools-<arm>.json,
+# the logs in $OUT/tools-logs.tgz; a table at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -39,12 +41,14 @@ say "arms: ${ARMS:-tools-s0 tools-s1 none-s0 none-s1}, $STEPS steps each"
 for arm in ${ARMS:-tools-s0 tools-s1 none-s0 none-s1}; do
   seed=${arm##*-s}
   overrides=(model.path=$MODEL "data.train_files=[$DATA/train.parquet]" "data.val_files=[$DATA/validation.parquet]"
-             trainer.seed=$seed run.storage_root=/tmp/real/runs "tracking.tracking_uri=sqlite:////tmp/real/mlflow-$arm.db"
+             trainer.seed=$seed run.storage_root=/tmp/real/runs run.overwrite=true "tracking.tracking_uri=sqlite:////tmp/real/mlflow-$arm.db"
              rollout.gpu_memory_utilization=$UTIL rollout.kv_cache_gib=$KV model.compile=false tracking.log_model=false)
   case $arm in none-*) overrides+=(rollout.max_turns=1 "rollout.tools=[]" warm_start.target=ground_truth) ;; esac
   timeout $((${DEADLINE_S:-590} - (SECONDS - STARTED))) python3 bench/real_model.py configs/smollm2-tools.yaml "${overrides[@]}" ${EXTRA:-} \
     --budget-s 100000 --max-steps "$STEPS" --name "tools-$arm" --out "$OUT/tools-$arm.json" > "$OUT/tools-$arm.stdout" 2>&1 &
   sleep 20  # one engine's memory profile at a time: each checks what is free when it starts
+  started=$((${started:-0} + 1))
+  [ $((started % ${PARALLEL:-2})) -ne 0 ] || wait  # four at once on an 80 GB GPU: one engine failed to start, one OOM
 done
 wait
 say "done"
@@ -70,3 +74,5 @@ PY
 for arm in ${ARMS:-tools-s0 tools-s1 none-s0 none-s1}; do
   echo "--- $arm"; grep -E "step [0-9]+/|validation|warning|rror" "$OUT/tools-$arm.stdout" | tail -12 | cut -c1-220
 done
+# one file for the logs (a device call returns a limited number of files): the JSONs stay beside it
+(cd "$OUT" && tar czf tools-logs.tgz tools-*.log tools-*.stdout tools-prefect-server.log && rm -f tools-*.log tools-*.stdout)
