@@ -11,15 +11,7 @@
 # NEW_TOKENS (256), MICRO (64), VAL_EVERY (5), VAL_PROMPTS (256). Results: $OUT/real-product.json, $OUT/real-trl.json
 # and their logs.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results}
-mkdir -p "$OUT"
-if [ ! -d /tmp/site ]; then
-  (cd /tmp/stage && { [ -d wheels ] || cat part* | tar xf -; }) &&
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/stage/wheels/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false \
-  DO_NOT_TRACK=1 MLFLOW_ENABLE_TELEMETRY=false TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/device-env.sh"
 LR=${LR:-1e-5} TEMPERATURE=${TEMPERATURE:-1.0} LEVELS=${LEVELS:-1,2} PROMPTS=${PROMPTS:-64} N=${N:-8}
 NEW_TOKENS=${NEW_TOKENS:-256} MICRO=${MICRO:-64} VAL_EVERY=${VAL_EVERY:-5} VAL_PROMPTS=${VAL_PROMPTS:-256}
 PROMPT_TOKENS=192

@@ -16,15 +16,7 @@
 # H100 lost one to an engine that failed to start and one to CUDA out of memory). Results: $OUT/tools-<arm>.json,
 # the logs in $OUT/tools-logs.tgz; a table at the end.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results}
-mkdir -p "$OUT"
-if [ ! -d /tmp/site ]; then
-  (cd /tmp/stage && { [ -d wheels ] || cat part* | tar xf -; }) &&
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/stage/wheels/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false \
-  DO_NOT_TRACK=1 MLFLOW_ENABLE_TELEMETRY=false TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/device-env.sh"
 STEPS=${STEPS:-40} UTIL=${UTIL:-0.1} KV=${KV:-4}
 MODEL=/tmp/real/smollm2-135m-instruct DATA=/tmp/real/tool-arithmetic
 STARTED=$SECONDS
