@@ -95,8 +95,10 @@ def curve_from_mlflow(tracking_uri: str, experiment: str, run_name: str, last_st
     train = [{"step": step, **{name: per_step[name].get(step) for name in PER_STEP}}
              for step in sorted(per_step["timing_s/step"])]
     before = history("warm_start/val_reward_before")  # a run with a warm-start: validation before it
+    moved = [row["actor/update_rms_ratio"] for row in train if row["actor/update_rms_ratio"] is not None]
     return {"mlflow_run_id": run_id, "curve": curve, "train": train,
-            "val_reward_before_warm_start": next(iter(before.values()), None)}
+            "val_reward_before_warm_start": next(iter(before.values()), None),
+            "update_rms_ratio_min": min(moved) if moved else None}
 
 
 def main(argv=None) -> dict:
@@ -114,8 +116,6 @@ def main(argv=None) -> dict:
               "config": config.model_dump(mode="json"), **seen,
               **curve_from_mlflow(config.tracking.tracking_uri, config.tracking.experiment, name,
                                   seen["stopped_at_step"])}
-    moved = [row["actor/update_rms_ratio"] for row in result["train"] if row["actor/update_rms_ratio"] is not None]
-    result["update_rms_ratio_min"] = min(moved) if moved else None
     result["log"] = str(log_path)
     emit(result, args.out)
     return result

@@ -46,10 +46,8 @@ wait
 say "done"
 for arm in ${ARMS:-tools-s0 tools-s1 none-s0 none-s1}; do  # a run stopped at the deadline: its curve from MLflow
   [ -f "$OUT/tools-$arm.json" ] || python3 -c "
-import json, sys; from bench.real_model import curve_from_mlflow
+import json; from bench.real_model import curve_from_mlflow
 result = {'stopped_at_deadline': True, **curve_from_mlflow('sqlite:////tmp/real/mlflow-$arm.db', 'rlhf', 'tools-$arm', None)}
-moved = [row['actor/update_rms_ratio'] for row in result['train'] if row['actor/update_rms_ratio'] is not None]
-result['update_rms_ratio_min'] = min(moved) if moved else None
 json.dump(result, open('$OUT/tools-$arm.json', 'w'), indent=1)" || echo "== $arm: no MLflow curve"
 done
 python3 - "$OUT" <<'PY'
