@@ -69,6 +69,9 @@
 # go to $OUT (default bench/results); the last line prints one table of every step result so far.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# on the lent machine with the wheels staged in /tmp/stage: install them once and put them on the path (without this,
+# a call that forgot `export PYTHONPATH=/tmp/site` failed at the first import of prefect)
+[ -d /tmp/stage ] && source bench/device-env.sh
 STARTED=$SECONDS
 OUT=${OUT:-bench/results}
 LOGS=$OUT/logs  # every log, and the role workers' logs (.rlhf/logs), packed into $OUT/logs-<phases>.tgz after each run:
