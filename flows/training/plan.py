@@ -94,6 +94,11 @@ def placement_verdict(config: Config, inventory: Inventory, env: Mapping[str, st
                                      trained_parameters=adapter_counts(config, counts))
     report = validate_placement(config.placement, inventory, requirements, env=env, roles_in_use=roles,
                                 modelless_roles=modelless)
+    for role, where in hosted_roles(config).items():  # a placement entry for it would be silently ignored
+        if role in config.placement.roles:
+            report.warnings.append(
+                f"placement.roles.{role}={config.placement.roles[role]} is not used: {role} is {where}; "
+                f"drop the entry (or set model.lora_rank=0 for a {role} model of its own)")
     return requirements, report
 
 
