@@ -283,3 +283,25 @@ def test_a_stop_string_ends_a_response_even_where_padding_is_the_eos(model, toke
                                                                         stop=(stop,)))
     assert (first.response_ids, first.finish_reason) == (continuation[:1], "stop")
     assert (len(second.response_ids), second.finish_reason) == (6, "length")
+
+
+def test_the_stop_string_search_finds_the_shortest_prefix_that_holds_a_stop(tokenizer):
+    """Against the one-decode-per-length search it replaced: the same prefix length for stops at the start, in the
+    middle, at the end, split across tokens, two stops (the earlier wins), and none."""
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(tokenizer=tokenizer)
+    tokens = tokenizer("x = 12*34 </tool_call> and 5 more", add_special_tokens=False)["input_ids"]
+
+    def linear(stops):
+        return next((length for length in range(1, len(tokens) + 1)
+                     if any(stop in tokenizer.decode(tokens[:length], skip_special_tokens=False) for stop in stops)),
+                    None)
+
+    cases = [["x"], ["</tool_call>"], ["l>"], ["more"], ["5 more"], ["34 </tool"], ["more", "12"], ["absent"]]
+    found = [HFRolloutEngine._stop_string_end(engine, tokens, stops) for stops in cases]
+    assert found == [linear(stops) for stops in cases]
+    assert found[0] == 1 and found[-1] is None and found[3] == len(tokens)
+    text = lambda length: tokenizer.decode(tokens[:length], skip_special_tokens=False)  # noqa: E731
+    for stops, length in zip(cases[:-1], found[:-1]):  # shortest: one token less holds no stop
+        assert any(stop in text(length) for stop in stops) and not any(stop in text(length - 1) for stop in stops)
