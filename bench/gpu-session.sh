@@ -68,12 +68,10 @@
 # $OUT/logs-<phases>.tgz with the role workers' logs; log tails printed)
 # go to $OUT (default bench/results); the last line prints one table of every step result so far.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-# on the lent machine with the wheels staged in /tmp/stage: install them once and put them on the path (without this,
-# a call that forgot `export PYTHONPATH=/tmp/site` failed at the first import of prefect)
-[ -d /tmp/stage ] && source bench/device-env.sh
+# the repository root, $OUT, the staged wheels installed and on the path (without them a call that forgot
+# `export PYTHONPATH=/tmp/site` failed at the first import of prefect), the offline environment
+source "$(dirname "$0")/device-env.sh"
 STARTED=$SECONDS
-OUT=${OUT:-bench/results}
 LOGS=$OUT/logs  # every log, and the role workers' logs (.rlhf/logs), packed into $OUT/logs-<phases>.tgz after each run:
 mkdir -p "$OUT" "$LOGS"  # a lent GPU machine sends back at most 8 files
 PHASES=$(echo "$*" | tr ' ' '-')-$(date +%H%M%S)
@@ -82,7 +80,6 @@ pack_logs() {
   tar czf "$OUT/logs-$PHASES.tgz" -C "$OUT" logs 2>/dev/null  # one archive per invocation (two in one call)
 }
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}  # engine start and scheduler lines in the logs
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 MLFLOW_ENABLE_TELEMETRY=false
 PY=${PYTHON:-python3}
 MODEL=${MODEL:-/tmp/rlhf-bench-models/qwen2.5-0.5b}
 

@@ -233,6 +233,31 @@ def test_parser_help_and_arguments():
     assert help_text.startswith("usage: rlhf doctor") and "example: rlhf doctor" in help_text
 
 
+def test_a_placement_entry_for_a_lora_runs_reference_is_named_as_unused(tmp_path):
+    """configs/gpu-2x.yaml places the reference on GPU 1; with LoRA it is the actor's model (no GPU of its own), so
+    the entry does nothing: one warning says so, and nothing is refused (the layout stays valid for full tuning)."""
+    from flows.config import load_config
+    from flows.training.plan import placement_verdict
+
+    machine = two_h200()
+    counts = {"rollout": 500_000_000, "actor": 500_000_000, "critic": 500_000_000, "reference": 500_000_000,
+              "reward": 0}
+
+    def verdict(*overrides):
+        config = load_config(str(REPO / "configs" / "gpu-2x.yaml"), [f"run.storage_root={tmp_path}", "model.path=m",
+                                                     "actor.use_kl_loss=true", *overrides])
+        return placement_verdict(config, machine, {}, {role: counts[role] for role in config.roles})[1]
+
+    lora = verdict("model.lora_rank=32")
+    unused = [line for line in lora.warnings if line.startswith("placement.roles.reference")]
+    assert unused == ["placement.roles.reference=[1] is not used: reference is the actor's model with its adapter "
+                      "disabled (model.lora_rank=32), in the actor's worker: no GPU or memory of its own; drop the "
+                      "entry (or set model.lora_rank=0 for a reference model of its own)"], lora.warnings
+    assert lora.errors == []
+    full = verdict()
+    assert not [line for line in full.warnings if "is not used" in line] and full.errors == []
+
+
 # --- the four-GPU reference layout (configs/gpu-4x.yaml), against a constructed 4 x H200 machine -----------
 
 

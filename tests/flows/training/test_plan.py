@@ -65,31 +65,3 @@ def test_a_lora_runs_reference_is_served_by_the_actors_worker_and_has_none_of_it
     for other in (config("actor.use_kl_loss=true"), config("model.lora_rank=8")):
         assert worker_also_serves(other) == {} and hosted_roles(other) == {}
 
-
-def test_a_placement_entry_for_a_lora_runs_reference_is_named_as_unused(tmp_path):
-    """configs/gpu-2x.yaml places the reference on GPU 1; with LoRA it is the actor's model (no GPU of its own), so
-    the entry does nothing: one warning says so, and nothing is refused (the layout stays valid for full tuning)."""
-    from components.devices import GpuInfo, Inventory
-    from flows.config import load_config
-    from flows.training.plan import placement_verdict
-
-    gpus = [GpuInfo(index=index, physical_index=index, uuid=f"GPU-{index}", name="NVIDIA H200",
-                    total_bytes=143771 * 1024**2, used_bytes=0, processes=[], pci_bus_id=f"00000000:0{index}:00.0")
-            for index in range(2)]
-    machine = Inventory(gpus=gpus, cuda_visible_devices=None, source="nvml", torch_device_count=2)
-    counts = {"rollout": 500_000_000, "actor": 500_000_000, "critic": 500_000_000, "reference": 500_000_000,
-              "reward": 0}
-
-    def verdict(*overrides):
-        config = load_config("configs/gpu-2x.yaml", [f"run.storage_root={tmp_path}", "model.path=m",
-                                                     "actor.use_kl_loss=true", *overrides])
-        return placement_verdict(config, machine, {}, {role: counts[role] for role in config.roles})[1]
-
-    lora = verdict("model.lora_rank=32")
-    unused = [line for line in lora.warnings if line.startswith("placement.roles.reference")]
-    assert unused == ["placement.roles.reference=[1] is not used: reference is the actor's model with its adapter "
-                      "disabled (model.lora_rank=32), in the actor's worker: no GPU or memory of its own; drop the "
-                      "entry (or set model.lora_rank=0 for a reference model of its own)"], lora.warnings
-    assert lora.errors == []
-    full = verdict()
-    assert not [line for line in full.warnings if "is not used" in line] and full.errors == []
