@@ -11,6 +11,11 @@
 #                                      PRODUCT_SET as for phase t, bounded by DEADLINE_S as `one`
 #   bash bench/gpu-session.sh gen      one H200, GPU 0: bench/rollout.py at the step's shape with vLLM's own settings,
 #                                      then each rollout.engine_kwargs variant of GEN_KWARGS (;-separated JSON)
+#   bash bench/gpu-session.sh preset   one GPU: configs/gpu-1x.yaml as a user runs it (`rlhf train` through
+#                                      bench/real_model.py on the 0.5B bench model and `rlhf make-data arithmetic`,
+#                                      its warm-start included, stopped after the first validated step past PRESET_BUDGET_S of
+#                                      training, default 30), then bench/step.py at the preset's knobs (16 + 16
+#                                      tokens, micro-batch 64): issue 37's "preset within 20% of step.py"
 #   bash bench/gpu-session.sh verl     one H200, GPU 0: verl 0.9.1's GRPO trainer at the `one` phase's knobs
 #                                      (bench/verl/README.md; STEPS default 3), for the same lease as `one`
 #   bash bench/gpu-session.sh w        one H200, GPU 0: bench/weight_sync.py (storage, then memory) at the 0.5B, then
@@ -99,7 +104,7 @@ shared_prefect_server() {  # one Prefect server for every run of the session (sa
   "$PY" -c "from flows.runtime.launcher import wait_until_healthy; wait_until_healthy('${PREFECT_API_URL%/}', None)"
   echo "== $(date +%T) (+$((SECONDS - STARTED)) s) shared Prefect server at $PREFECT_API_URL"
 }
-case " $* " in *" table "*|*" t "*|*" t1 "*|*" t2 "*|*" s1 "*|*" ae "*|*" pe "*|*" te "*|*" one "*|*" big "*|*" ws "*|*" wk "*)
+case " $* " in *" table "*|*" t "*|*" t1 "*|*" t2 "*|*" s1 "*|*" ae "*|*" pe "*|*" te "*|*" one "*|*" big "*|*" ws "*|*" wk "*|*" preset "*)
   shared_prefect_server start ;; esac
 case " $* " in
   " big "|" pc ") ;;  # big builds its own models (1.5B, 3B), not the 0.5B one; pc needs none
@@ -192,6 +197,33 @@ for phase in "$@"; do
        run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps" "${product_set[@]}"
        run trl-grpo-1gpu 0 bench/trl_grpo.py --steps "$steps"
        [ "${ONE_PPO:-1}" = 0 ] || run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps" "${product_set[@]}" ;;
+    preset) shared_prefect_server  # one GPU: configs/gpu-1x.yaml as the README runs it, then step.py at its knobs
+       export DEADLINE_S=${DEADLINE_S:-590}
+       data=/tmp/rlhf-preset-data
+       [ -f $data/train.parquet ] || "$PY" -m flows.tools.cli make-data arithmetic $data > "$LOGS/preset-data.log" 2>&1
+       "$PY" -m flows.tools.cli doctor configs/gpu-1x.yaml model.path="$MODEL" "data.train_files=[$data/train.parquet]" \
+         "data.val_files=[$data/validation.parquet]" 2>&1 | grep -iE "checkpoint|placement|error" | cut -c1-300
+       left=$((DEADLINE_S - (SECONDS - STARTED) - 170))  # the rest for step.py's twin run
+       echo "== $(date +%T) (+$((SECONDS - STARTED)) s) preset gpu-1x (limit ${left} s)"
+       CUDA_VISIBLE_DEVICES=0 timeout "$left" "$PY" bench/real_model.py configs/gpu-1x.yaml model.path="$MODEL" \
+         "data.train_files=[$data/train.parquet]" "data.val_files=[$data/validation.parquet]" \
+         run.storage_root=/tmp/rlhf-preset-runs --budget-s "${PRESET_BUDGET_S:-30}" --max-steps 100 --name preset-gpu-1x \
+         --out "$OUT/preset-gpu-1x.json" > "$LOGS/preset-gpu-1x.log" 2>&1
+       echo "== $(date +%T) (+$((SECONDS - STARTED)) s) preset gpu-1x exit $?"
+       grep -E "^step [0-9]+/|checkpoint|compiling|warning" "$LOGS/preset-gpu-1x.log" | cut -c1-250 | tail -14
+       "$PY" - "$OUT/preset-gpu-1x.json" <<'PRESET' || tail -30 "$LOGS/preset-gpu-1x.log"
+import json, statistics, sys
+rows = json.load(open(sys.argv[1]))["train"]
+steps = [r["timing_s/step"] for r in rows[1:]]  # the first step (compilation) left out, as step.py's warm-up
+print(f"preset gpu-1x: {len(steps)} steps after the first: step s mean {statistics.mean(steps):.3f} median "
+      f"{statistics.median(steps):.3f}; gen {statistics.mean(r['timing_s/gen'] for r in rows[1:]):.3f}, update "
+      f"{statistics.mean(r['timing_s/update_actor'] for r in rows[1:]):.3f}; update_rms_ratio min "
+      f"{min(r['actor/update_rms_ratio'] or 0 for r in rows[1:]):.2e}; response length "
+      f"{statistics.mean(r['response_length/mean'] for r in rows[1:]):.1f}")
+PRESET
+       rm -rf /tmp/rlhf-preset-runs
+       run grpo-1gpu-preset-knobs 0 bench/step.py --algorithm grpo --gpus 1 --steps "${STEPS:-5}" --prompt-tokens 16 \
+         --response-tokens 16 --micro-batch 64 ;;
     verl) # one H200: verl 0.9.1's own GRPO trainer at the `one` phase's knobs (bench/verl/README.md: the wheels copied
        # to /tmp/verl-stage first, VERL_PREP_ONLY=1 once); STEPS (default 3: one warm-up and two measured steps)
        echo "== verl: bench/verl/verl_bench.sh STEPS=${STEPS:-3}"

@@ -6,7 +6,8 @@
 #   VERL_PREP_ONLY=1 bash bench/verl/verl_bench.sh     # install, model, data, imports, config check (about 2 min)
 #   VERL_MATCH_ENGINE=1 bash bench/verl/verl_bench.sh  # + vLLM's H200 defaults that the product's engine gets
 # env: STEPS=4 GPU_UTIL=0.4 T_LIMIT=540 (seconds for the whole call) VERL_SAVE_HF=1 (save + compare the final actor
-# weights: adds a checkpoint inside the last step's timing_s/step) VERL_EXTRA="k=v ..." (more hydra overrides)
+# weights: a checkpoint inside the saving step's timing_s/step, which the summary takes out again) VERL_SAVE_FREQ
+# (default STEPS: the last step only) VERL_EXTRA="k=v ..." (more hydra overrides)
 set -uo pipefail
 ROOT=$PWD; START=$SECONDS
 LIMIT=${T_LIMIT:-540}; STEPS=${STEPS:-4}
@@ -52,7 +53,8 @@ ENGINE=()
 [ "${VERL_MATCH_ENGINE:-0}" = 1 ] && ENGINE=(actor_rollout_ref.rollout.max_num_seqs=1024
                                            actor_rollout_ref.rollout.max_num_batched_tokens=16384)
 SAVE=(trainer.save_freq=-1)
-[ "${VERL_SAVE_HF:-0}" = 1 ] && SAVE=(trainer.save_freq=$STEPS "actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]")
+# VERL_SAVE_FREQ=2 with STEPS=3: a save after step 2 as well, so a call cut short in step 3 still has weights to compare
+[ "${VERL_SAVE_HF:-0}" = 1 ] && SAVE=(trainer.save_freq=${VERL_SAVE_FREQ:-$STEPS} "actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]")
 ARGS=(
   algorithm.adv_estimator=grpo
   algorithm.use_kl_in_reward=False
@@ -147,8 +149,10 @@ fi
 [ $RC -ne 0 ] && { grep -nE "Traceback|Error" "$OUTD/verl.log" | head -20; tail -40 "$OUTD/verl.log" | cut -c1-400; }
 $PY bench/verl/verl_bench_setup.py summary "$OUTD/verl.log" "$OUTD/verl_bench.json" --warmup 1
 if [ "${VERL_SAVE_HF:-0}" = 1 ]; then
-  HF=$(ls -d $WORK/ckpt/global_step_$STEPS/actor/huggingface 2>/dev/null)
-  [ -n "$HF" ] && $PY bench/verl/verl_bench_setup.py compare $WORK/model "$HF" || log "no saved actor weights"
+  HF=$(ls -d $WORK/ckpt/global_step_*/actor/huggingface 2>/dev/null | sort -t_ -k3 -n | tail -1)  # the newest save
+  log "comparing the initial model with $HF"
+  [ -n "$HF" ] && $PY bench/verl/verl_bench_setup.py compare $WORK/model "$HF" --json "$OUTD/verl_bench.json" \
+    || log "no saved actor weights"
 fi
 # leave no Ray or vLLM process holding the GPU for the next call
 { $SITE/bin/ray stop --force || $PY -m ray.scripts.scripts stop --force; } > /dev/null 2>&1

@@ -3,7 +3,7 @@
     python3 bench/verl/verl_bench_setup.py model DIR [--preset qwen2.5-0.5b]   # random Qwen2 model + byte-level tokenizer
     python3 bench/verl/verl_bench_setup.py data MODEL_DIR OUT.parquet [--prompts 256] [--tokens 256]
     python3 bench/verl/verl_bench_setup.py summary LOG OUT.json [--warmup 1]     # verl's console metric lines -> table + JSON
-    python3 bench/verl/verl_bench_setup.py compare MODEL_DIR HF_DIR              # final actor weights against the initial
+    python3 bench/verl/verl_bench_setup.py compare MODEL_DIR HF_DIR [--json OUT]  # final actor weights against the initial
     python3 bench/verl/verl_bench_setup.py validate OVERRIDE...                  # compose verl's config, run its checks
 
 The model is the product's `qwen2.5-0.5b` preset (components/tiny.py, copied here because the GPU call carries
@@ -144,7 +144,10 @@ def summary(log: Path, out: Path, warmup: int) -> None:
     for key in keys:
         cells = [steps[s].get(key) for s in sorted(steps)]
         print(f"| {key} | " + " | ".join("" if c is None else f"{c:.4g}" for c in cells) + " |")
-    measured = [steps[s]["timing_s/step"] for s in sorted(steps) if s > warmup]
+    # verl times a step's checkpoint (VERL_SAVE_HF=1) inside its timing_s/step: taken out, as the product's
+    # bench/step.py writes its one checkpoint outside the step
+    measured = [steps[s]["timing_s/step"] - steps[s].get("timing_s/save_checkpoint", 0.0)
+                for s in sorted(steps) if s > warmup]
     result = {"bench": "verl_grpo", "system": "verl", "warmup": warmup, "steps": steps,
               "step_s_all": measured, "step_s": statistics.mean(measured) if measured else None,
               "stage_s": {k[len("timing_s/"):]: statistics.mean(v) for k in keys if k.startswith("timing_s/")
@@ -157,7 +160,7 @@ def summary(log: Path, out: Path, warmup: int) -> None:
           f"{result['step_s']:.2f}" if measured else "no measured steps", "| grad_norm per step:", grad)
 
 
-def compare(model_dir: Path, hf_dir: Path) -> None:
+def compare(model_dir: Path, hf_dir: Path, out: Path | None = None) -> None:
     import torch
     from safetensors.torch import load_file
 
@@ -180,6 +183,12 @@ def compare(model_dir: Path, hf_dir: Path) -> None:
         sq_delta += float((delta ** 2).sum())
         sq_init += float((a ** 2).sum())
     dtypes = sorted({str(t.dtype) for t in final.values()})
+    weights = {"weights_compared_tensors": len(set(initial) & set(final)), "weights_final_dtypes": dtypes,
+               "weights_changed_fraction": changed / max(total, 1),
+               "weights_rms_ratio": (sq_delta / max(sq_init, 1e-30)) ** 0.5, "weights_final_dir": str(hf_dir)}
+    if out is not None:  # into the summary's JSON, beside the step times
+        result = json.loads(out.read_text()) if out.exists() else {}
+        out.write_text(json.dumps({**result, **weights}, indent=1))
     print(f"weights: {len(set(initial) & set(final))} tensors compared (final dtypes {dtypes}): changed "
           f"{changed / max(total, 1):.4%}, RMS(dw)/RMS(w0) {(sq_delta / max(sq_init, 1e-30)) ** 0.5:.3e}; "
           f"only initial {sorted(set(initial) - set(final))[:3]}, only final {sorted(set(final) - set(initial))[:3]}")
@@ -263,6 +272,7 @@ def main() -> None:
     p = sub.add_parser("compare")
     p.add_argument("model_dir")
     p.add_argument("hf_dir")
+    p.add_argument("--json", default=None, help="add the comparison to this summary JSON")
     args = parser.parse_args()
     if args.cmd == "model":
         build_model(Path(args.dir), args.preset)
@@ -273,7 +283,7 @@ def main() -> None:
     elif args.cmd == "validate":
         return validate(args.overrides)
     else:
-        compare(Path(args.model_dir), Path(args.hf_dir))
+        compare(Path(args.model_dir), Path(args.hf_dir), Path(args.json) if args.json else None)
 
 
 if __name__ == "__main__":
