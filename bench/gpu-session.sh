@@ -204,6 +204,7 @@ for phase in "$@"; do
        "$PY" -m flows.tools.cli doctor configs/gpu-1x.yaml model.path="$MODEL" "data.train_files=[$data/train.parquet]" \
          "data.val_files=[$data/validation.parquet]" 2>&1 | grep -iE "checkpoint|placement|error" | cut -c1-300
        left=$((DEADLINE_S - (SECONDS - STARTED) - 170))  # the rest for step.py's twin run
+       [ "$left" -ge 90 ] || { echo "== preset skipped: $((SECONDS - STARTED)) s of DEADLINE_S=$DEADLINE_S used"; continue; }
        echo "== $(date +%T) (+$((SECONDS - STARTED)) s) preset gpu-1x (limit ${left} s)"
        CUDA_VISIBLE_DEVICES=0 timeout "$left" "$PY" bench/real_model.py configs/gpu-1x.yaml model.path="$MODEL" \
          "data.train_files=[$data/train.parquet]" "data.val_files=[$data/validation.parquet]" \
