@@ -8,11 +8,14 @@
 
 One rollout role serves every measurement (as the flow builds it, started once; --engines 2: two engines):
   raw    `LLM.generate` on the prompts as token ids, n samples each, unseeded, no log-probs: vLLM alone,
-         as a user would call it. Variants: with per-request seeds; with the sampled tokens' log-probs.
+         as a user would call it. Variants: detokenize=False (the best raw path); that with per-request seeds;
+         that with the sampled tokens' log-probs for 1 prompt in 8 (the stage's default share).
   stage  `flows.training.stages.rollout(config, step)`: prompt sampling from the Parquet dataset, generation with
          the sampled tokens' log-probs, decoding, and the Parquet write; timed end to end, with the
-         product's defaults (per-prompt seeds; the engine's log-probs for 1 prompt in 8,
-         rollout.logprobs_fraction=0.125). Variants: log-probs for every sample (fraction 1); none (0).
+         product's defaults (unseeded requests on a GPU, rollout.seed_requests; the engine's log-probs for 1
+         prompt in 8, rollout.logprobs_fraction=0.125). Variants: per-request seeds (rollout.seed_requests=true);
+         no log-probs (fraction 0). The stage's own split: its `timing_s/gen` (of it `timing_s/gen_collect`,
+         the engine's outputs made into samples, decoded) and the rest (prompts, columns, the Parquet write).
 They alternate `--repeats` times; the table gives the median of each and the ratio stage/raw.
 Weight sync: the actor's published copy (safetensors on storage) loaded into the running engine, as
 the stage does each step. Sleep/wake (GPU): memory freed by sleep level 2, and wake + reload seconds.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -93,7 +97,9 @@ def main() -> None:
     from flows.config import layout_for
     from flows.runtime.residents import release_run
     from flows.training.roles import get_role
+    from components.rollout import logprob_prompts
     from components.vllm_data_parallel import prompt_shares
+    from flows.training.engines import seeds_requests
     from flows.training.stage_io import sync_rollout_weights
     from flows.training.stages import rollout
 
@@ -131,18 +137,24 @@ def main() -> None:
     engines = getattr(engine, "engines", [engine])  # rollout.engines > 1: a DataParallelRollout
     shares = prompt_shares(len(prompts), len(engines))
 
-    def raw(seed: int | None, logprobs: bool = False, detokenize: bool = True) -> tuple[float, int]:
-        """`LLM.generate` itself; with several engines, each on its share of the prompts, in parallel."""
-        extra = {"logprobs": 0, "flat_logprobs": True, "detokenize": False} if logprobs else {}
-        if not detokenize:  # vLLM's incremental detokenizer off, as the stage runs it (it decodes once, batched)
-            extra["detokenize"] = False
-        sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=seed,
-                                  **extra)
+    def raw(seed: int | None, logprobs_fraction: float = 0.0, detokenize: bool = True) -> tuple[float, int]:
+        """`LLM.generate` itself; with several engines, each on its share of the prompts, in parallel. `seed`:
+        per-request seeds (seed + prompt index x n); `logprobs_fraction`: the share of the prompts whose samples
+        carry the sampled tokens' log-probs (chosen as the stage chooses them)."""
+        with_logprobs = logprob_prompts(len(prompts), logprobs_fraction)
+
+        def sampling(index: int):
+            extra = {"logprobs": 0, "flat_logprobs": True} if index in with_logprobs else {}
+            return SamplingParams(n=args.n, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True,
+                                  seed=None if seed is None else seed + index * args.n,
+                                  # False: vLLM's incremental detokenizer off, as the stage runs it (it decodes
+                                  # once, batched)
+                                  detokenize=detokenize, **extra)
 
         def share(part: int):
             start, stop = shares[part]
             return engines[part].llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts[start:stop]],
-                                              sampling, use_tqdm=False)
+                                              [sampling(index) for index in range(start, stop)], use_tqdm=False)
 
         begin = time.perf_counter()
         with ThreadPoolExecutor(len(shares)) as pool:
@@ -150,29 +162,36 @@ def main() -> None:
         seconds = time.perf_counter() - begin
         return seconds, sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
-    def stage(step: int, logprobs_fraction: float | None = None) -> tuple[float, int, dict]:
-        variant = config if logprobs_fraction is None else config.model_copy(
-            update={"rollout": config.rollout.model_copy(update={"logprobs_fraction": logprobs_fraction})})
+    splits: dict[str, list[dict[str, float]]] = {}  # the stage's own timings, per stage variant and run
+
+    def stage(name: str, step: int, **rollout_settings) -> tuple[float, int]:
+        variant = config.model_copy(update={"rollout": config.rollout.model_copy(update=rollout_settings)})
         begin = time.perf_counter()
         result = rollout(variant, step, weights_step=0)  # the engine's own weights: no reload inside the timing
         seconds = time.perf_counter() - begin
-        return seconds, int(result["metrics"]["perf/gen_tokens"]), result["metrics"]
+        metrics = result["metrics"]
+        splits.setdefault(name, []).append({"stage_s": seconds, "gen_s": metrics["timing_s/gen"],
+                                            "collect_s": metrics.get("timing_s/gen_collect", math.nan)})
+        return seconds, int(metrics["perf/gen_tokens"])
 
+    fraction = config.rollout.logprobs_fraction
     variants = {  # name: (what it is, how to run it once)
         "raw": ("raw vLLM generate, unseeded, no log-probs", lambda r: raw(None)),
-        "raw_seeded": ("raw vLLM generate, per-request seeds", lambda r: raw(r)),
         "raw_no_detokenize": ("raw vLLM generate, detokenize=False (the best raw path)",
                               lambda r: raw(None, detokenize=False)),
-        "raw_logprobs": ("raw vLLM generate with the sampled tokens' log-probs", lambda r: raw(None, logprobs=True)),
-        "stage": (f"rollout stage, product defaults (logprobs_fraction={config.rollout.logprobs_fraction:g})",
-                  lambda r: stage(r)[:2]),
-        "stage_all_logprobs": ("rollout stage, rollout.logprobs_fraction=1", lambda r: stage(100 + r, 1.0)[:2]),
-        "stage_no_logprobs": ("rollout stage, rollout.logprobs_fraction=0", lambda r: stage(200 + r, 0.0)[:2]),
+        "raw_no_detokenize_seeded": ("raw, detokenize=False, per-request seeds", lambda r: raw(r, detokenize=False)),
+        "raw_no_detokenize_logprobs": (f"raw, detokenize=False, log-probs for {fraction:g} of the prompts",
+                                       lambda r: raw(None, fraction, detokenize=False)),
+        "stage": (f"rollout stage, product defaults (seed_requests={seeds_requests(config)}, "
+                  f"logprobs_fraction={fraction:g})", lambda r: stage("stage", r)),
+        "stage_seeded": ("rollout stage, rollout.seed_requests=true",
+                         lambda r: stage("stage_seeded", 100 + r, seed_requests=True)),
+        "stage_no_logprobs": ("rollout stage, rollout.logprobs_fraction=0",
+                              lambda r: stage("stage_no_logprobs", 200 + r, logprobs_fraction=0.0)),
     }
     raw(None)  # warm-up (first-request compilation, allocator), for every sampling path
-    raw(999)
-    raw(None, logprobs=True)
-    raw(None, detokenize=False)
+    raw(999, detokenize=False)
+    raw(None, 1.0, detokenize=False)
     runs: dict[str, list[tuple[float, int]]] = {name: [] for name in variants}
     for repeat in range(args.repeats):
         for name, (_, run_once) in variants.items():
@@ -181,7 +200,8 @@ def main() -> None:
     for seconds, tokens in (run for name in runs for run in runs[name]):
         assert tokens == expected, (tokens, expected)
     rates = {name: statistics.median(tokens / seconds for seconds, tokens in runs[name]) for name in runs}
-    raw_tps, raw_logprob_tps, stage_tps = rates["raw"], rates["raw_logprobs"], rates["stage"]
+    raw_tps, raw_logprob_tps, stage_tps = rates["raw"], rates["raw_no_detokenize_logprobs"], rates["stage"]
+    best_raw = max(rates[name] for name in rates if name.startswith("raw"))
 
     # Weight sync: a new published copy each time, loaded into the running engine.
     layout = layout_for(config)
@@ -208,8 +228,16 @@ def main() -> None:
     rows = [{"measure": f"{what} (tokens/s)", "value": f"{rates[name]:,.0f}"} for name, (what, _) in variants.items()]
     rows += [
         {"measure": "stage / raw", "value": f"{stage_tps / raw_tps:.3f}"},
-        {"measure": "stage / raw with log-probs", "value": f"{stage_tps / raw_logprob_tps:.3f}"},
-        {"measure": "stage / raw, detokenize=False", "value": f"{stage_tps / rates['raw_no_detokenize']:.3f}"},
+        {"measure": "stage / best raw", "value": f"{stage_tps / best_raw:.3f}"},
+        {"measure": "stage / raw with the same log-prob share", "value": f"{stage_tps / raw_logprob_tps:.3f}"},
+        {"measure": "stage_seeded / raw seeded", "value":
+            f"{rates['stage_seeded'] / rates['raw_no_detokenize_seeded']:.3f}"},
+    ] + [
+        {"measure": f"{name}: generation / outside it / of generation, samples and decoding (s, median)",
+         "value": " / ".join(f"{statistics.median(values):.3f}" for values in (
+             [r["gen_s"] for r in taken], [r["stage_s"] - r["gen_s"] for r in taken], [r["collect_s"] for r in taken]))}
+        for name, taken in splits.items()
+    ] + [
         {"measure": "weight sync from storage (s, median of 3)", "value": f"{statistics.median(syncs):.3f}"},
         {"measure": "engine start (s)", "value": f"{start_s:.1f}"},
     ] + [{"measure": name, "value": f"{value:.3f}" if isinstance(value, float) else str(value)}
@@ -221,7 +249,9 @@ def main() -> None:
     emit({"bench": "rollout", "args": vars(args), "raw_tokens_per_s": raw_tps, "stage_tokens_per_s": stage_tps,
           "stage_over_raw": stage_tps / raw_tps, "raw_logprobs_tokens_per_s": raw_logprob_tps,
           "stage_over_raw_logprobs": stage_tps / raw_logprob_tps,
-          "stage_over_raw_no_detokenize": stage_tps / rates["raw_no_detokenize"], "tokens_per_s": rates, "runs": runs,
+          "stage_over_raw_no_detokenize": stage_tps / rates["raw_no_detokenize"],
+          "stage_over_best_raw": stage_tps / best_raw,
+          "tokens_per_s": rates, "runs": runs, "stage_splits": splits,
           "weight_sync_s": syncs,
           "engine_start_s": start_s, **sleep, "machine": machine_info()}, args.out)
     shutil.rmtree(work, ignore_errors=True)

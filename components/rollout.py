@@ -377,6 +377,13 @@ class RolloutConfig(Section):
         """YAML reads a bare on/off (`rollout.sleep=off`, `sleep: on`) as a boolean."""
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
+    seed_requests: bool | None = None
+    """Give every request its own seed, a function of trainer.seed and the step, so that a step run again (a
+    resumed run's rollout or validation) samples the same tokens. Default: on, except for vLLM on a GPU, where
+    its sampler draws a seeded request's noise one request at a time (a kernel per request in every decoding
+    step) and GPU decoding does not repeat bit for bit across batches anyway; unseeded requests draw from the
+    engine's own generator, seeded with trainer.seed, as verl's and TRL's rollouts do. Measure with
+    `python bench/rollout.py` (its `stage_seeded` row)."""
     logprobs_fraction: float = Field(0.125, ge=0, le=1)
     """vLLM: share of the prompts whose samples carry the engine's log-probs (evenly spread, at least
     one prompt; 0: none). They serve only rollout/logprob_diff_*, measured on those samples. Requesting

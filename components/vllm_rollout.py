@@ -301,7 +301,9 @@ class VLLMRolloutEngine:
         # Closed meanwhile, or its engine core stopped: vLLM ends the requests under way and returns them cut short.
         self._closed_while_generating(llm)
         _all_finished(outputs)
+        collecting = time.perf_counter()
         generations = self._collect(outputs, params, first_index)
+        self.last_metrics["timing_s/gen_collect"] = time.perf_counter() - collecting  # samples made and decoded
         if self.sleep_enabled:
             self.sleep()
         return generations

@@ -137,6 +137,15 @@ def rollout_sleeps(config: Config, on_gpu: bool) -> bool:
     return on_gpu and (sleep == "on" or (sleep == "auto" and rollout_shares_gpu(config)))
 
 
+def seeds_requests(config: Config, device_type: str | None = None) -> bool:
+    """Whether the rollout's and validation's requests carry their own seeds (rollout.seed_requests, its default
+    resolved: on, except for vLLM on a GPU) on `device_type` (default: trainer.device in this process)."""
+    if config.rollout.seed_requests is not None:
+        return config.rollout.seed_requests
+    device = device_type or resolve_device(config.trainer.device).type
+    return device != "cuda" or rollout_engine_name(config, device) != "vllm"
+
+
 def rollout_gpus(config: Config, visible: int) -> int:
     """GPUs the rollout's engines may use, of the `visible` ones of the process that builds it: all of them
     under trainer.execution=workers (only the rollout's worker builds it, pinned to the rollout's GPUs by the

@@ -34,6 +34,7 @@ from flows.config import Config, layout_for
 from flows.runtime.batches import batches_for
 from flows.runtime.checkpoints import part_path, save_role_part
 from flows.runtime.weights import transport_for
+from flows.training.engines import seeds_requests
 from flows.training.registry import STAGES, stage
 from flows.training.roles import get_role, trained_role
 from flows.training.stage_io import (StageResult, read_batch, score_batch, sync_rollout_weights, timed,
@@ -89,10 +90,11 @@ def rollout(config: Config, step: int, weights_step: int | None = None, sync: st
     records = get_role(config, "train_prompts")
     sampler = PromptSampler(len(records), config.data.prompts_per_step, config.trainer.seed, config.data.shuffle)
     prompts = [records[index] for index in sampler.batch_indices(step)]
+    seed = config.trainer.seed * 1_000_003 + step if seeds_requests(config) else None  # rollout.seed_requests
     params = SamplingParams(n=config.rollout.n, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                             top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens,
                             min_new_tokens=config.rollout.min_new_tokens, ignore_eos=config.rollout.ignore_eos,
-                            stop=tuple(config.rollout.stop), seed=config.trainer.seed * 1_000_003 + step,
+                            stop=tuple(config.rollout.stop), seed=seed,
                             logprobs_fraction=config.rollout.logprobs_fraction)
     engine = get_role(config, "rollout")
     with timed(metrics, "gen"):

@@ -11,6 +11,7 @@ from components.rewards import RewardFunctionError
 from components.rollout import SamplingParams
 from flows.config import Config
 from flows.runtime.console import long_work
+from flows.training.engines import seeds_requests
 from flows.training.registry import stage
 from flows.training.roles import get_role
 from flows.training.stage_io import StageResult, score_batch, sync_rollout_weights, timed, write_batch
@@ -27,7 +28,7 @@ def evaluate(config: Config, engine, records) -> tuple[dict, dict[str, float]]:
     records = records[: config.data.max_val_prompts] if config.data.max_val_prompts else records
     params = SamplingParams(n=1, temperature=config.rollout.val_temperature, top_p=config.rollout.top_p,
                             max_new_tokens=config.rollout.max_new_tokens, stop=tuple(config.rollout.stop),
-                            seed=config.trainer.seed)
+                            seed=config.trainer.seed if seeds_requests(config) else None)
     what = f"validation: generating and scoring {len(records)} prompts"
     with long_work(what, f"{what}: {{seconds:.0f}} s so far", "", announce_after_s=VALIDATION_QUIET_S) as work:
         generations = generate_samples(engine, get_role(config, "tokenizer"), [r.prompt_ids for r in records], params,

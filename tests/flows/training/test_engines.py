@@ -103,3 +103,18 @@ def test_engine_kwargs_go_to_vllm_and_those_the_rollout_sets_itself_are_refused(
         build_config({"rollout": {"engine_kwargs": {"enable_sleep_mode": False}}})
     assert ("rollout.engine_kwargs: enable_sleep_mode: set by the rollout itself (rollout.sleep); the other vLLM "
             "engine arguments are allowed") in str(error.value)
+
+
+def test_requests_are_seeded_except_for_vllm_on_a_gpu(cuda, monkeypatch):
+    from flows.training import engines
+
+    cpu = build_config({}, ["trainer.device=cpu"])
+    assert engines.seeds_requests(cpu) is True  # the CPU: a resumed step samples its rollout again exactly
+    gpu = build_config({}, ["trainer.device=cuda"])
+    monkeypatch.setattr(engines, "rollout_engine_name", lambda config, device: "vllm")  # vLLM on this 'GPU'
+    assert engines.seeds_requests(gpu) is False  # vLLM's sampler would draw each seeded request's noise apart
+    assert engines.seeds_requests(gpu, "cpu") is True
+    assert engines.seeds_requests(build_config({}, ["trainer.device=cuda", "rollout.seed_requests=true"])) is True
+    assert engines.seeds_requests(build_config({}, ["trainer.device=cpu", "rollout.seed_requests=false"])) is False
+    monkeypatch.setattr(engines, "rollout_engine_name", lambda config, device: "hf")
+    assert engines.seeds_requests(gpu) is True  # transformers' generate: one seed per call, nothing to save
