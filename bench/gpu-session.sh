@@ -4,13 +4,14 @@
 #   bash bench/gpu-session.sh one      one H200, GPU 0, back to back: product GRPO, TRL GRPO, product PPO (0.5B shape,
 #                                      STEPS measured steps, default 2), each bounded by what is left of DEADLINE_S
 #                                      (default 590 s from the script's start); shared Prefect server; PRODUCT_SET as
-#                                      for phase t; ONE_PPO=0 leaves product PPO out
+#                                      for phase t; ONE_PPO=0 leaves product PPO out, ONE_TRL=0 TRL
 #   bash bench/gpu-session.sh lora     one GPU: product GRPO, full fine-tuning then LoRA (LORA_SET, default rank 32,
 #                                      alpha 32, all linear layers), per LORA_PRESETS shape (default 0.5b; 0.5b 1.5b
 #                                      3b 7b), LORA_MODES (default "full lora"); grpo-1gpu-<size>-<mode>.json;
 #                                      PRODUCT_SET as for phase t, bounded by DEADLINE_S as `one`
 #   bash bench/gpu-session.sh gen      one H200, GPU 0: bench/rollout.py at the step's shape with vLLM's own settings,
-#                                      then each rollout.engine_kwargs variant of GEN_KWARGS (;-separated JSON)
+#                                      then each rollout.engine_kwargs variant of GEN_KWARGS (;-separated JSON);
+#                                      ROLLOUT_VARIANTS (its --variants) and GEN_REPEATS (default 2) for a shorter call
 #   bash bench/gpu-session.sh preset   one GPU: configs/gpu-1x.yaml as a user runs it (`rlhf train` through
 #                                      bench/real_model.py on the 0.5B bench model and `rlhf make-data arithmetic`,
 #                                      its warm-start included, stopped after the first validated step past PRESET_BUDGET_S of
@@ -69,6 +70,7 @@
 #                                      phase b: product GRPO on GPU 0      |  product PPO on GPU 1
 #   bash bench/gpu-session.sh c        GPU 0: bench/rollout.py, then product PPO
 #                                      GPU 1: product GRPO, then product GRPO with model.fused_logprobs=false
+# A fresh machine's first vLLM start compiles (120 s on an H100; 44 s once its cache is there): leave it room in DEADLINE_S.
 # Single-GPU runs of one phase share the host (CPUs, PCIe) but not a GPU. Results (JSON; logs packed in
 # $OUT/logs-<phases>.tgz with the role workers' logs; log tails printed)
 # go to $OUT (default bench/results); the last line prints one table of every step result so far.
@@ -76,7 +78,7 @@ set -uo pipefail
 # the repository root, $OUT, the staged wheels installed and on the path (without them a call that forgot
 # `export PYTHONPATH=/tmp/site` failed at the first import of prefect), the offline environment
 source "$(dirname "$0")/device-env.sh"
-STARTED=$SECONDS
+STARTED=0  # DEADLINE_S counts from the script's start, the wheels' first install (device-env.sh, ~50 s) included
 LOGS=$OUT/logs  # every log, and the role workers' logs (.rlhf/logs), packed into $OUT/logs-<phases>.tgz after each run:
 mkdir -p "$OUT" "$LOGS"  # a lent GPU machine sends back at most 8 files
 PHASES=$(echo "$*" | tr ' ' '-')-$(date +%H%M%S)
@@ -195,7 +197,7 @@ for phase in "$@"; do
        steps=${STEPS:-2}
        product_set=(); for item in ${PRODUCT_SET:-}; do product_set+=(--set "$item"); done
        run grpo-1gpu 0 bench/step.py --algorithm grpo --gpus 1 --steps "$steps" "${product_set[@]}"
-       run trl-grpo-1gpu 0 bench/trl_grpo.py --steps "$steps"
+       [ "${ONE_TRL:-1}" = 0 ] || run trl-grpo-1gpu 0 bench/trl_grpo.py --steps "$steps"
        [ "${ONE_PPO:-1}" = 0 ] || run ppo-1gpu 0 bench/step.py --algorithm ppo --gpus 1 --steps "$steps" "${product_set[@]}" ;;
     preset) shared_prefect_server  # one GPU: configs/gpu-1x.yaml as the README runs it, then step.py at its knobs
        export DEADLINE_S=${DEADLINE_S:-590}
@@ -228,7 +230,8 @@ PRESET
     verl) # one H200: verl 0.9.1's own GRPO trainer at the `one` phase's knobs (bench/verl/README.md: the wheels copied
        # to /tmp/verl-stage first, VERL_PREP_ONLY=1 once); STEPS (default 3: one warm-up and two measured steps)
        echo "== verl: bench/verl/verl_bench.sh STEPS=${STEPS:-3}"
-       CUDA_VISIBLE_DEVICES=0 STEPS=${STEPS:-3} OUT=$OUT bash bench/verl/verl_bench.sh 2>&1 | tail -40 ;;
+       # verl's own site only: the product's wheels (/tmp/site, device-env.sh) are not on its path
+       CUDA_VISIBLE_DEVICES=0 STEPS=${STEPS:-3} OUT=$OUT env -u PYTHONPATH bash bench/verl/verl_bench.sh 2>&1 | tail -40 ;;
     big) shared_prefect_server  # one H200: product GRPO at the 1.5B, then the 3B shape, on GPU 0
        export DEADLINE_S=${DEADLINE_S:-590}
        steps=${STEPS:-2}
@@ -311,7 +314,9 @@ PRESET
        # 0.4 of the GPU as the one-GPU run), the engine's own settings, then each rollout.engine_kwargs variant of
        # GEN_KWARGS (;-separated JSON objects), one after another on GPU 0, bounded by DEADLINE_S
        export DEADLINE_S=${DEADLINE_S:-590}
-       run rollout-gen-default 0 bench/rollout.py --prompt-tokens 256 --new-tokens 512 --gpu-memory-utilization 0.4 --repeats 2
+       variants=(); [ -n "${ROLLOUT_VARIANTS:-}" ] && variants=(--variants "$ROLLOUT_VARIANTS")  # bench/rollout.py's rows
+       run rollout-gen-default 0 bench/rollout.py --prompt-tokens 256 --new-tokens 512 --gpu-memory-utilization 0.4 \
+         --repeats "${GEN_REPEATS:-2}" "${variants[@]}"
        gen_kwargs=${GEN_KWARGS:-}
        [ -n "$gen_kwargs" ] || gen_kwargs='{"max_num_batched_tokens": 32768};{"max_num_seqs": 512, "max_num_batched_tokens": 65536};'
        index=0

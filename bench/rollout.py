@@ -89,6 +89,8 @@ def main() -> None:
                              '16384}\': vLLM engine settings for both the raw and the stage measurement')
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", default=None, help="write the JSON result here")
+    parser.add_argument("--variants", default=None, help="comma-separated: measure only these (the raw_* ones "
+                        "the ratios need, e.g. raw,raw_no_detokenize_logprobs,raw_no_detokenize_seeded,stage,stage_seeded)")
     args = parser.parse_args()
 
     import torch
@@ -163,6 +165,7 @@ def main() -> None:
         return seconds, sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
     splits: dict[str, list[dict[str, float]]] = {}  # the stage's own timings, per stage variant and run
+    last_stage: dict[str, float] = {}  # the last stage run's metrics
 
     def stage(name: str, step: int, **rollout_settings) -> tuple[float, int]:
         variant = config.model_copy(update={"rollout": config.rollout.model_copy(update=rollout_settings)})
@@ -172,6 +175,7 @@ def main() -> None:
         metrics = result["metrics"]
         splits.setdefault(name, []).append({"stage_s": seconds, "gen_s": metrics["timing_s/gen"],
                                             "collect_s": metrics.get("timing_s/gen_collect", math.nan)})
+        last_stage.update(metrics)
         return seconds, int(metrics["perf/gen_tokens"])
 
     fraction = config.rollout.logprobs_fraction
@@ -189,6 +193,8 @@ def main() -> None:
         "stage_no_logprobs": ("rollout stage, rollout.logprobs_fraction=0",
                               lambda r: stage("stage_no_logprobs", 200 + r, logprobs_fraction=0.0)),
     }
+    if args.variants:
+        variants = {name: variants[name] for name in args.variants.split(",")}
     raw(None)  # warm-up (first-request compilation, allocator), for every sampling path
     raw(999, detokenize=False)
     raw(None, 1.0, detokenize=False)
@@ -200,7 +206,7 @@ def main() -> None:
     for seconds, tokens in (run for name in runs for run in runs[name]):
         assert tokens == expected, (tokens, expected)
     rates = {name: statistics.median(tokens / seconds for seconds, tokens in runs[name]) for name in runs}
-    raw_tps, raw_logprob_tps, stage_tps = rates["raw"], rates["raw_no_detokenize_logprobs"], rates["stage"]
+    raw_tps, raw_logprob_tps, stage_tps = rates.get("raw", math.nan), rates.get("raw_no_detokenize_logprobs", math.nan), rates["stage"]
     best_raw = max(rates[name] for name in rates if name.startswith("raw"))
 
     # Weight sync: a new published copy each time, loaded into the running engine.
@@ -220,9 +226,9 @@ def main() -> None:
         publish(layout, model_dir, 4)
         sleep["wake_and_sync_s"] = sync_rollout_weights(config, 4)["timing_s/weight_sync"]
         engine.sleep_enabled = True
-        seconds, tokens, metrics = stage(10)  # a colocated step: generate, then sleep
+        seconds, tokens = stage("colocated", 10)  # a colocated step: generate, then sleep
         sleep["colocated_stage_tokens_per_s"] = tokens / seconds
-        sleep["colocated_sleep_s"] = metrics.get("timing_s/sleep")
+        sleep["colocated_sleep_s"] = last_stage.get("timing_s/sleep")
     release_run(config)
 
     rows = [{"measure": f"{what} (tokens/s)", "value": f"{rates[name]:,.0f}"} for name, (what, _) in variants.items()]
@@ -231,7 +237,7 @@ def main() -> None:
         {"measure": "stage / best raw", "value": f"{stage_tps / best_raw:.3f}"},
         {"measure": "stage / raw with the same log-prob share", "value": f"{stage_tps / raw_logprob_tps:.3f}"},
         {"measure": "stage_seeded / raw seeded", "value":
-            f"{rates['stage_seeded'] / rates['raw_no_detokenize_seeded']:.3f}"},
+            f"{rates.get('stage_seeded', math.nan) / rates.get('raw_no_detokenize_seeded', math.nan):.3f}"},
     ] + [
         {"measure": f"{name}: generation / outside it / of generation, samples and decoding (s, median)",
          "value": " / ".join(f"{statistics.median(values):.3f}" for values in (
@@ -249,7 +255,7 @@ def main() -> None:
     emit({"bench": "rollout", "args": vars(args), "raw_tokens_per_s": raw_tps, "stage_tokens_per_s": stage_tps,
           "stage_over_raw": stage_tps / raw_tps, "raw_logprobs_tokens_per_s": raw_logprob_tps,
           "stage_over_raw_logprobs": stage_tps / raw_logprob_tps,
-          "stage_over_raw_no_detokenize": stage_tps / rates["raw_no_detokenize"],
+          "stage_over_raw_no_detokenize": stage_tps / rates.get("raw_no_detokenize", math.nan),
           "stage_over_best_raw": stage_tps / best_raw,
           "tokens_per_s": rates, "runs": runs, "stage_splits": splits,
           "weight_sync_s": syncs,
