@@ -53,4 +53,5 @@ def test_compare_counts_changed_weights_into_the_summary(setup, tmp_path):
     assert result["weights_changed_fraction"] == pytest.approx(0.25)
     # RMS(dw) / RMS(w0) = sqrt(2**2 / (1 + 4 + 9 + 16))
     assert result["weights_rms_ratio"] == pytest.approx((4 / 30) ** 0.5)
-    assert result["weights_final_dtypes"] == ["torch.float32"]
+    assert result["weights_final_dtypes"] == ["F32"]  # as safetensors spells it, as the product's rows do
+    assert result["weights_changed_elements"] == 1 and result["weights_compared_elements"] == 4

@@ -161,38 +161,21 @@ def summary(log: Path, out: Path, warmup: int) -> None:
 
 
 def compare(model_dir: Path, hf_dir: Path, out: Path | None = None) -> None:
-    import torch
-    from safetensors.torch import load_file
+    """The saved actor against the initial model with bench/common.py's comparison, the one every product and TRL
+    row uses (it needs torch and safetensors alone, which verl's site has from the image)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.common import SafetensorsWeights, compare_weights
 
-    def tensors(folder: Path) -> dict:
-        found = {}
-        for file in sorted(folder.glob("*.safetensors")):
-            found.update(load_file(file))
-        return found
-
-    initial, final = tensors(model_dir), tensors(hf_dir)
-    changed = total = 0
-    sq_delta = sq_init = 0.0
-    for name in sorted(set(initial) & set(final)):
-        a, b = initial[name].float(), final[name].float()
-        if a.shape != b.shape:
-            continue
-        delta = b - a
-        changed += int((delta != 0).sum())
-        total += a.numel()
-        sq_delta += float((delta ** 2).sum())
-        sq_init += float((a ** 2).sum())
-    dtypes = sorted({str(t.dtype) for t in final.values()})
-    weights = {"weights_compared_tensors": len(set(initial) & set(final)), "weights_final_dtypes": dtypes,
-               "weights_changed_fraction": changed / max(total, 1),
-               "weights_rms_ratio": (sq_delta / max(sq_init, 1e-30)) ** 0.5, "weights_final_dir": str(hf_dir)}
+    initial, final = SafetensorsWeights(model_dir), SafetensorsWeights(hf_dir)
+    weights = {**compare_weights(initial, final), "weights_final_dtypes": sorted(set(final.dtypes.values())),
+               "weights_final_dir": str(hf_dir)}
     if out is not None:  # into the summary's JSON, beside the step times
         result = json.loads(out.read_text()) if out.exists() else {}
         out.write_text(json.dumps({**result, **weights}, indent=1))
-    print(f"weights: {len(set(initial) & set(final))} tensors compared (final dtypes {dtypes}): changed "
-          f"{changed / max(total, 1):.4%}, RMS(dw)/RMS(w0) {(sq_delta / max(sq_init, 1e-30)) ** 0.5:.3e}; "
-          f"only initial {sorted(set(initial) - set(final))[:3]}, only final {sorted(set(final) - set(initial))[:3]}")
-    del torch
+    print(f"weights: {weights['weights_compared_tensors']} tensors compared (final dtypes "
+          f"{weights['weights_final_dtypes']}): changed {weights['weights_changed_fraction']:.4%}, RMS(dw)/RMS(w0) "
+          f"{weights['weights_rms_ratio']:.3e}; only initial {weights['weights_only_initial'][:3]}, only final "
+          f"{weights['weights_only_final'][:3]}")
 
 
 def validate(overrides: list[str]) -> int:
