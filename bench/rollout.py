@@ -70,7 +70,7 @@ def publish(layout, model_dir: Path, version: int) -> None:
     (target / "_COMMITTED").write_text("")
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen2.5-0.5b")
     parser.add_argument("--model-dir", default=None, help="default: /tmp/rlhf-bench-models/<preset>")
@@ -91,32 +91,20 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--variants", default=None, help="comma-separated: measure only these (the raw_* ones "
                         "the ratios need, e.g. raw,raw_no_detokenize_logprobs,raw_no_detokenize_seeded,stage,stage_seeded)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
-    import torch
 
+def bench_config(args: argparse.Namespace, model_dir: Path, work: Path):
+    """The run's config: the rollout as the flow builds it, on `args`' prompts and engine settings."""
     from flows.config import build_config
-    from flows.config import layout_for
-    from flows.runtime.residents import release_run
-    from flows.training.roles import get_role
-    from components.rollout import logprob_prompts
-    from components.vllm_data_parallel import prompt_shares
-    from flows.training.engines import seeds_requests
-    from flows.training.stage_io import sync_rollout_weights
-    from flows.training.stages import rollout
 
-    model_dir = make_random_model(args.model_dir or f"/tmp/rlhf-bench-models/{args.preset}", args.preset)
-    work = Path(tempfile.mkdtemp(prefix="rlhf-bench-rollout-"))
-    from components.models import load_tokenizer
-
-    tokenizer = load_tokenizer(str(model_dir))
-    write_fixed_prompts(work / "data" / "train.parquet", args.prompts, args.prompt_tokens, tokenizer)
     on_gpu = args.device == "cuda"
-    config = build_config({
+    data = str(work / "data" / "train.parquet")
+    return build_config({
         "run": {"name": "bench-rollout", "storage_root": str(work / "runs")},
         "model": {"path": str(model_dir), "dtype": "bfloat16" if on_gpu else "float32"},
-        "data": {"train_files": [str(work / "data" / "train.parquet")], "val_files": [str(work / "data" / "train.parquet")],
-                 "max_prompt_length": args.prompt_tokens, "prompts_per_step": args.prompts},
+        "data": {"train_files": [data], "val_files": [data], "max_prompt_length": args.prompt_tokens,
+                 "prompts_per_step": args.prompts},
         "rollout": {"engine": "vllm", "n": args.n, "max_new_tokens": args.new_tokens, "ignore_eos": True,
                     "temperature": 1.0, "gpu_memory_utilization": args.gpu_memory_utilization,
                     "tensor_parallel_size": args.tp if on_gpu else None, "enforce_eager": args.enforce_eager or not on_gpu,
@@ -125,24 +113,40 @@ def main() -> None:
         "trainer": {"device": args.device, "total_steps": 1},
         "tracking": {"tracking_uri": f"sqlite:///{work}/mlflow.db"},
     })
-    started = time.perf_counter()
-    engine = get_role(config, "rollout")  # the rollout role exactly as the flow builds it
-    start_s = time.perf_counter() - started
-    engine.sleep_enabled = False  # throughput first; sleep/wake is measured on its own below
 
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    prompts = [r.prompt_ids for r in get_role(config, "train_prompts")][: args.prompts]
-    assert all(len(ids) == args.prompt_tokens for ids in prompts)
+class Measurements:
+    """One rollout role (started once, as the flow builds it) and the runs measured on it: raw `LLM.generate`
+    on its engines and the rollout stage, each call giving (seconds, generated tokens)."""
 
-    engines = getattr(engine, "engines", [engine])  # rollout.engines > 1: a DataParallelRollout
-    shares = prompt_shares(len(prompts), len(engines))
+    def __init__(self, args: argparse.Namespace, config):
+        from components.vllm_data_parallel import prompt_shares
+        from flows.training.roles import get_role
 
-    def raw(seed: int | None, logprobs_fraction: float = 0.0, detokenize: bool = True) -> tuple[float, int]:
+        self.args, self.config = args, config
+        started = time.perf_counter()
+        self.engine = get_role(config, "rollout")  # the rollout role exactly as the flow builds it
+        self.start_s = time.perf_counter() - started
+        self.engine.sleep_enabled = False  # throughput first; sleep/wake is measured on its own (sleep_and_sync)
+        self.prompts = [r.prompt_ids for r in get_role(config, "train_prompts")][: args.prompts]
+        assert all(len(ids) == args.prompt_tokens for ids in self.prompts)
+        self.engines = getattr(self.engine, "engines", [self.engine])  # rollout.engines > 1: a DataParallelRollout
+        self.shares = prompt_shares(len(self.prompts), len(self.engines))
+        self.splits: dict[str, list[dict[str, float]]] = {}
+        """The stage's own timings, per stage variant and run."""
+        self.last_stage: dict[str, float] = {}
+        """The last stage run's metrics."""
+
+    def raw(self, seed: int | None, logprobs_fraction: float = 0.0, detokenize: bool = True) -> tuple[float, int]:
         """`LLM.generate` itself; with several engines, each on its share of the prompts, in parallel. `seed`:
         per-request seeds (seed + prompt index x n); `logprobs_fraction`: the share of the prompts whose samples
         carry the sampled tokens' log-probs (chosen as the stage chooses them)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from components.rollout import logprob_prompts
+
+        args, prompts = self.args, self.prompts
         with_logprobs = logprob_prompts(len(prompts), logprobs_fraction)
 
         def sampling(index: int):
@@ -154,68 +158,71 @@ def main() -> None:
                                   detokenize=detokenize, **extra)
 
         def share(part: int):
-            start, stop = shares[part]
-            return engines[part].llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts[start:stop]],
-                                              [sampling(index) for index in range(start, stop)], use_tqdm=False)
+            start, stop = self.shares[part]
+            return self.engines[part].llm.generate(
+                [TokensPrompt(prompt_token_ids=ids) for ids in prompts[start:stop]],
+                [sampling(index) for index in range(start, stop)], use_tqdm=False)
 
         begin = time.perf_counter()
-        with ThreadPoolExecutor(len(shares)) as pool:
-            outputs = [output for result in pool.map(share, range(len(shares))) for output in result]
+        with ThreadPoolExecutor(len(self.shares)) as pool:
+            outputs = [output for result in pool.map(share, range(len(self.shares))) for output in result]
         seconds = time.perf_counter() - begin
         return seconds, sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
-    splits: dict[str, list[dict[str, float]]] = {}  # the stage's own timings, per stage variant and run
-    last_stage: dict[str, float] = {}  # the last stage run's metrics
+    def stage(self, name: str, step: int, **rollout_settings) -> tuple[float, int]:
+        """`flows.training.stages.rollout` at `step`, with `rollout_settings` over the config's; its split kept
+        under `name`."""
+        from flows.training.stages import rollout
 
-    def stage(name: str, step: int, **rollout_settings) -> tuple[float, int]:
+        config = self.config
         variant = config.model_copy(update={"rollout": config.rollout.model_copy(update=rollout_settings)})
         begin = time.perf_counter()
         result = rollout(variant, step, weights_step=0)  # the engine's own weights: no reload inside the timing
         seconds = time.perf_counter() - begin
         metrics = result["metrics"]
-        splits.setdefault(name, []).append({"stage_s": seconds, "gen_s": metrics["timing_s/gen"],
-                                            "collect_s": metrics.get("timing_s/gen_collect", math.nan)})
-        last_stage.update(metrics)
+        self.splits.setdefault(name, []).append({"stage_s": seconds, "gen_s": metrics["timing_s/gen"],
+                                                 "collect_s": metrics.get("timing_s/gen_collect", math.nan)})
+        self.last_stage = dict(metrics)
         return seconds, int(metrics["perf/gen_tokens"])
 
-    fraction = config.rollout.logprobs_fraction
-    variants = {  # name: (what it is, how to run it once)
-        "raw": ("raw vLLM generate, unseeded, no log-probs", lambda r: raw(None)),
-        "raw_no_detokenize": ("raw vLLM generate, detokenize=False (the best raw path)",
-                              lambda r: raw(None, detokenize=False)),
-        "raw_no_detokenize_seeded": ("raw, detokenize=False, per-request seeds", lambda r: raw(r, detokenize=False)),
-        "raw_no_detokenize_logprobs": (f"raw, detokenize=False, log-probs for {fraction:g} of the prompts",
-                                       lambda r: raw(None, fraction, detokenize=False)),
-        "stage": (f"rollout stage, product defaults (seed_requests={seeds_requests(config)}, "
-                  f"logprobs_fraction={fraction:g})", lambda r: stage("stage", r)),
-        "stage_seeded": ("rollout stage, rollout.seed_requests=true",
-                         lambda r: stage("stage_seeded", 100 + r, seed_requests=True)),
-        "stage_no_logprobs": ("rollout stage, rollout.logprobs_fraction=0",
-                              lambda r: stage("stage_no_logprobs", 200 + r, logprobs_fraction=0.0)),
-    }
-    if args.variants:
-        variants = {name: variants[name] for name in args.variants.split(",")}
-    raw(None)  # warm-up (first-request compilation, allocator), for every sampling path
-    raw(999, detokenize=False)
-    raw(None, 1.0, detokenize=False)
-    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in variants}
-    for repeat in range(args.repeats):
-        for name, (_, run_once) in variants.items():
-            runs[name].append(run_once(repeat))
-    expected = args.prompts * args.n * args.new_tokens
-    for seconds, tokens in (run for name in runs for run in runs[name]):
-        assert tokens == expected, (tokens, expected)
-    rates = {name: statistics.median(tokens / seconds for seconds, tokens in runs[name]) for name in runs}
-    raw_tps, raw_logprob_tps, stage_tps = rates.get("raw", math.nan), rates.get("raw_no_detokenize_logprobs", math.nan), rates["stage"]
-    best_raw = max(rates[name] for name in rates if name.startswith("raw"))
+    def variants(self) -> dict:
+        """name: (what it is, how to run it once given the repeat's index)."""
+        from flows.training.engines import seeds_requests
 
-    # Weight sync: a new published copy each time, loaded into the running engine.
+        fraction = self.config.rollout.logprobs_fraction
+        raw, stage = self.raw, self.stage
+        return {
+            "raw": ("raw vLLM generate, unseeded, no log-probs", lambda r: raw(None)),
+            "raw_no_detokenize": ("raw vLLM generate, detokenize=False (the best raw path)",
+                                  lambda r: raw(None, detokenize=False)),
+            "raw_no_detokenize_seeded": ("raw, detokenize=False, per-request seeds",
+                                         lambda r: raw(r, detokenize=False)),
+            "raw_no_detokenize_logprobs": (f"raw, detokenize=False, log-probs for {fraction:g} of the prompts",
+                                           lambda r: raw(None, fraction, detokenize=False)),
+            "stage": (f"rollout stage, product defaults (seed_requests={seeds_requests(self.config)}, "
+                      f"logprobs_fraction={fraction:g})", lambda r: stage("stage", r)),
+            "stage_seeded": ("rollout stage, rollout.seed_requests=true",
+                             lambda r: stage("stage_seeded", 100 + r, seed_requests=True)),
+            "stage_no_logprobs": ("rollout stage, rollout.logprobs_fraction=0",
+                                  lambda r: stage("stage_no_logprobs", 200 + r, logprobs_fraction=0.0)),
+        }
+
+
+def sync_and_sleep(measure: Measurements, model_dir: Path, on_gpu: bool) -> tuple[list[float], dict]:
+    """Weight sync (a new published copy each time, loaded into the running engine: seconds of 3); on a GPU,
+    sleep (seconds, memory freed) and wake with a sync; then a colocated step (generate, then sleep; on the CPU,
+    where vLLM has no sleep mode, the same stage call without it, so that this path runs in the CPU test too)."""
+    import torch
+
+    from flows.config import layout_for
+    from flows.training.stage_io import sync_rollout_weights
+
+    config, engine = measure.config, measure.engine
     layout = layout_for(config)
     syncs = []
     for version in (1, 2, 3):
         publish(layout, model_dir, version)
         syncs.append(sync_rollout_weights(config, version)["timing_s/weight_sync"])
-
     sleep = {}
     if on_gpu:
         free_awake = torch.cuda.mem_get_info()[0]
@@ -226,28 +233,34 @@ def main() -> None:
         publish(layout, model_dir, 4)
         sleep["wake_and_sync_s"] = sync_rollout_weights(config, 4)["timing_s/weight_sync"]
         engine.sleep_enabled = True
-    # A colocated step on a GPU: generate, then sleep (on the CPU, where vLLM has no sleep mode, the same stage
-    # call without it, so that this path runs in the CPU smoke test too).
-    seconds, tokens = stage("colocated", 10)
+    seconds, tokens = measure.stage("colocated", 10)
     sleep["colocated_stage_tokens_per_s"] = tokens / seconds
-    sleep["colocated_sleep_s"] = last_stage.get("timing_s/sleep")
-    release_run(config)
+    sleep["colocated_sleep_s"] = measure.last_stage.get("timing_s/sleep")
+    return syncs, sleep
 
-    rows = [{"measure": f"{what} (tokens/s)", "value": f"{rates[name]:,.0f}"} for name, (what, _) in variants.items()]
+
+def report(args: argparse.Namespace, measure: Measurements, described: dict, runs: dict, syncs: list[float],
+           sleep: dict) -> None:
+    """The table (medians, the ratios, the stage's split) and the RESULT JSON."""
+    rates = {name: statistics.median(tokens / seconds for seconds, tokens in runs[name]) for name in runs}
+    raw_tps, raw_logprob_tps = rates.get("raw", math.nan), rates.get("raw_no_detokenize_logprobs", math.nan)
+    stage_tps = rates["stage"]
+    best_raw = max(rates[name] for name in rates if name.startswith("raw"))
+    seeded = rates.get("stage_seeded", math.nan) / rates.get("raw_no_detokenize_seeded", math.nan)
+    rows = [{"measure": f"{described[name]} (tokens/s)", "value": f"{rates[name]:,.0f}"} for name in runs]
     rows += [
         {"measure": "stage / raw", "value": f"{stage_tps / raw_tps:.3f}"},
         {"measure": "stage / best raw", "value": f"{stage_tps / best_raw:.3f}"},
         {"measure": "stage / raw with the same log-prob share", "value": f"{stage_tps / raw_logprob_tps:.3f}"},
-        {"measure": "stage_seeded / raw seeded", "value":
-            f"{rates.get('stage_seeded', math.nan) / rates.get('raw_no_detokenize_seeded', math.nan):.3f}"},
+        {"measure": "stage_seeded / raw seeded", "value": f"{seeded:.3f}"},
     ] + [
         {"measure": f"{name}: generation / outside it / of generation, samples and decoding (s, median)",
          "value": " / ".join(f"{statistics.median(values):.3f}" for values in (
              [r["gen_s"] for r in taken], [r["stage_s"] - r["gen_s"] for r in taken], [r["collect_s"] for r in taken]))}
-        for name, taken in splits.items()
+        for name, taken in measure.splits.items()
     ] + [
         {"measure": "weight sync from storage (s, median of 3)", "value": f"{statistics.median(syncs):.3f}"},
-        {"measure": "engine start (s)", "value": f"{start_s:.1f}"},
+        {"measure": "engine start (s)", "value": f"{measure.start_s:.1f}"},
     ] + [{"measure": name, "value": f"{value:.3f}" if isinstance(value, float) else str(value)}
          for name, value in sleep.items()]
     print(f"\n{args.prompts} prompts x {args.n} samples, {args.prompt_tokens} prompt tokens, {args.new_tokens} new tokens "
@@ -258,10 +271,39 @@ def main() -> None:
           "stage_over_raw": stage_tps / raw_tps, "raw_logprobs_tokens_per_s": raw_logprob_tps,
           "stage_over_raw_logprobs": stage_tps / raw_logprob_tps,
           "stage_over_raw_no_detokenize": stage_tps / rates.get("raw_no_detokenize", math.nan),
-          "stage_over_best_raw": stage_tps / best_raw,
-          "tokens_per_s": rates, "runs": runs, "stage_splits": splits,
-          "weight_sync_s": syncs,
-          "engine_start_s": start_s, **sleep, "machine": machine_info()}, args.out)
+          "stage_over_best_raw": stage_tps / best_raw, "tokens_per_s": rates, "runs": runs,
+          "stage_splits": measure.splits, "weight_sync_s": syncs, "engine_start_s": measure.start_s, **sleep,
+          "machine": machine_info()}, args.out)
+
+
+def main() -> None:
+    args = parse_args()
+
+    from components.models import load_tokenizer
+    from flows.runtime.residents import release_run
+
+    model_dir = make_random_model(args.model_dir or f"/tmp/rlhf-bench-models/{args.preset}", args.preset)
+    work = Path(tempfile.mkdtemp(prefix="rlhf-bench-rollout-"))
+    write_fixed_prompts(work / "data" / "train.parquet", args.prompts, args.prompt_tokens,
+                        load_tokenizer(str(model_dir)))
+    config = bench_config(args, model_dir, work)
+    measure = Measurements(args, config)
+    variants = measure.variants()
+    if args.variants:
+        variants = {name: variants[name] for name in args.variants.split(",")}
+    measure.raw(None)  # warm-up (first-request compilation, allocator), for every sampling path
+    measure.raw(999, detokenize=False)
+    measure.raw(None, 1.0, detokenize=False)
+    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in variants}
+    for repeat in range(args.repeats):  # the variants alternate
+        for name, (_, run_once) in variants.items():
+            runs[name].append(run_once(repeat))
+    expected = args.prompts * args.n * args.new_tokens
+    for seconds, tokens in (run for name in runs for run in runs[name]):
+        assert tokens == expected, (tokens, expected)
+    syncs, sleep = sync_and_sleep(measure, model_dir, args.device == "cuda")
+    release_run(config)
+    report(args, measure, {name: what for name, (what, _) in variants.items()}, runs, syncs, sleep)
     shutil.rmtree(work, ignore_errors=True)
 
 
