@@ -43,8 +43,9 @@
 #   bash bench/gpu-session.sh 4        phase 4: bench/rollout.py with a tensor-parallel engine over both GPUs
 #   bash bench/gpu-session.sh 5        phase 5: bench/rollout.py alone on GPU 0
 #   bash bench/gpu-session.sh 6        phase 6: as phase 3, with trainer.one_step_ahead
-#   bash bench/gpu-session.sh u        bench/update.py on GPU 0: the actor update alone, variants (and the code
-#                                      before this change when .baseline/ holds a copy of it)
+#   bash bench/gpu-session.sh u        bench/update.py on GPU 0: the actor update alone, variants (U_VARIANTS, default
+#                                      "defaults compile micro32 compile-micro32 unfused"; and the code before this
+#                                      change when .baseline/ holds a copy of it)
 #   bash bench/gpu-session.sh table    the whole table in one call (under 10 minutes as measured in
 #                                      bench/README.md): GPU 0: product GRPO, then product PPO | GPU 1: TRL GRPO;
 #                                      then both GPUs: product GRPO with one-step-ahead, then without; every run
@@ -270,11 +271,16 @@ PRESET
             --label before --profile --out "$OUT/update-before.json" > "$LOGS/update-before.log" 2>&1 \
             || tail -30 "$LOGS/update-before.log"; grep -E "^\||^profiled|^update [0-9]" "$LOGS/update-before.log")
        fi
-       update defaults --profile
-       update compile --profile --set model.compile=true
-       update micro32 --micro-batch 32
-       update compile-micro32 --micro-batch 32 --set model.compile=true
-       update unfused --set model.fused_logprobs=false ;;
+       for variant in ${U_VARIANTS:-defaults compile micro32 compile-micro32 unfused}; do  # U_VARIANTS: a shorter call
+         case $variant in
+           defaults) update defaults --profile ;;
+           compile) update compile --profile --set model.compile=true ;;
+           micro32) update micro32 --micro-batch 32 ;;
+           compile-micro32) update compile-micro32 --micro-batch 32 --set model.compile=true ;;
+           unfused) update unfused --set model.fused_logprobs=false ;;
+           *) echo "== update: unknown U_VARIANTS entry $variant" ;;
+         esac
+       done ;;
     table|t|t1|t2) shared_prefect_server
        # table: t within one call, each run bounded by what is left of DEADLINE_S
        [ "$phase" = table ] && export DEADLINE_S=${DEADLINE_S:-590}

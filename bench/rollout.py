@@ -137,10 +137,13 @@ class Measurements:
         self.last_stage: dict[str, float] = {}
         """The last stage run's metrics."""
 
-    def raw(self, seed: int | None, logprobs_fraction: float = 0.0, detokenize: bool = True) -> tuple[float, int]:
+    def raw(self, seed: int | None, logprobs_fraction: float = 0.0, detokenize: bool = True,
+            fresh: bool = False) -> tuple[float, int]:
         """`LLM.generate` itself; with several engines, each on its share of the prompts, in parallel. `seed`:
         per-request seeds (seed + prompt index x n); `logprobs_fraction`: the share of the prompts whose samples
-        carry the sampled tokens' log-probs (chosen as the stage chooses them)."""
+        carry the sampled tokens' log-probs (chosen as the stage chooses them); `fresh`: the prefix cache emptied
+        first (untimed), so the prompts are prefilled as the stage's new prompts of a step are (raw calls reuse
+        the same prompts, whose blocks the cache otherwise still holds)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -163,6 +166,9 @@ class Measurements:
                 [TokensPrompt(prompt_token_ids=ids) for ids in prompts[start:stop]],
                 [sampling(index) for index in range(start, stop)], use_tqdm=False)
 
+        if fresh:
+            for engine in self.engines:
+                engine.llm.reset_prefix_cache()
         begin = time.perf_counter()
         with ThreadPoolExecutor(len(self.shares)) as pool:
             outputs = [output for result in pool.map(share, range(len(self.shares))) for output in result]
@@ -195,6 +201,8 @@ class Measurements:
             "raw": ("raw vLLM generate, unseeded, no log-probs", lambda r: raw(None)),
             "raw_no_detokenize": ("raw vLLM generate, detokenize=False (the best raw path)",
                                   lambda r: raw(None, detokenize=False)),
+            "raw_fresh": ("raw, detokenize=False, prefix cache emptied first (new prompts, as a step's)",
+                          lambda r: raw(None, detokenize=False, fresh=True)),
             "raw_no_detokenize_seeded": ("raw, detokenize=False, per-request seeds",
                                          lambda r: raw(r, detokenize=False)),
             "raw_no_detokenize_logprobs": (f"raw, detokenize=False, log-probs for {fraction:g} of the prompts",
@@ -247,10 +255,13 @@ def report(args: argparse.Namespace, measure: Measurements, described: dict, run
     stage_tps = rates["stage"]
     best_raw = max(rates[name] for name in rates if name.startswith("raw"))
     seeded = rates.get("stage_seeded", math.nan) / rates.get("raw_no_detokenize_seeded", math.nan)
-    rows = [{"measure": f"{described[name]} (tokens/s)", "value": f"{rates[name]:,.0f}"} for name in runs]
+    spread = {name: [tokens / seconds for seconds, tokens in runs[name]] for name in runs}
+    rows = [{"measure": f"{described[name]} (tokens/s, median (min-max))",
+             "value": f"{rates[name]:,.0f} ({min(spread[name]):,.0f}-{max(spread[name]):,.0f})"} for name in runs]
     rows += [
         {"measure": "stage / raw", "value": f"{stage_tps / raw_tps:.3f}"},
         {"measure": "stage / best raw", "value": f"{stage_tps / best_raw:.3f}"},
+        {"measure": "stage / raw on new prompts (raw_fresh)", "value": f"{stage_tps / rates.get('raw_fresh', math.nan):.3f}"},
         {"measure": "stage / raw with the same log-prob share", "value": f"{stage_tps / raw_logprob_tps:.3f}"},
         {"measure": "stage_seeded / raw seeded", "value": f"{seeded:.3f}"},
     ] + [
@@ -271,7 +282,7 @@ def report(args: argparse.Namespace, measure: Measurements, described: dict, run
           "stage_over_raw": stage_tps / raw_tps, "raw_logprobs_tokens_per_s": raw_logprob_tps,
           "stage_over_raw_logprobs": stage_tps / raw_logprob_tps,
           "stage_over_raw_no_detokenize": stage_tps / rates.get("raw_no_detokenize", math.nan),
-          "stage_over_best_raw": stage_tps / best_raw, "tokens_per_s": rates, "runs": runs,
+          "stage_over_best_raw": stage_tps / best_raw, "stage_over_raw_fresh": stage_tps / rates.get("raw_fresh", math.nan), "tokens_per_s": rates, "runs": runs,
           "stage_splits": measure.splits, "weight_sync_s": syncs, "engine_start_s": measure.start_s, **sleep,
           "machine": machine_info()}, args.out)
 

@@ -32,12 +32,12 @@ def test_every_row_of_the_rollout_bench_runs_on_the_cpu(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads(out.read_text())
-    measured = {"raw", "raw_no_detokenize", "raw_no_detokenize_seeded", "raw_no_detokenize_logprobs", "stage",
-                "stage_seeded", "stage_no_logprobs"}
+    measured = {"raw", "raw_no_detokenize", "raw_fresh", "raw_no_detokenize_seeded", "raw_no_detokenize_logprobs",
+                "stage", "stage_seeded", "stage_no_logprobs"}
     assert set(result["runs"]) == measured
     assert all(tokens == PROMPTS * N * NEW for runs in result["runs"].values() for _, tokens in runs)
     assert set(result["stage_splits"]) == {"stage", "stage_seeded", "stage_no_logprobs", "colocated"}
     for runs in result["stage_splits"].values():
         assert all(0 < run["gen_s"] <= run["stage_s"] and 0 <= run["collect_s"] <= run["gen_s"] for run in runs)
     assert result["colocated_stage_tokens_per_s"] > 0
-    assert 0 < result["stage_over_best_raw"] < 10
+    assert 0 < result["stage_over_best_raw"] < 10 and 0 < result["stage_over_raw_fresh"] < 10
