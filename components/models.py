@@ -170,7 +170,8 @@ def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
     Regional compilation: the blocks share one code object, so the compiler traces one block once and
     every layer reuses it (seconds, not the minutes of a whole-model compile). Inductor fuses what runs
     between the matmuls (RMSNorm, rotary embedding, SiLU * up, residual adds) in forward and backward.
-    A new sequence length recompiles once, after which lengths are dynamic.
+    A new sequence length recompiles once, after which lengths are dynamic; so does the first new row count, and a
+    micro-batch of a single row (flows.training.roles.announcing_recompiles says so when it happens).
     """
     count = 0
     for name, module in model.named_modules():
@@ -179,6 +180,18 @@ def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
                 layer.compile(backend=backend)
                 count += 1
     return count
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far: each compile and each recompile (a guard on a shape
+    failed) adds one; 0 before torch's compiler is first used."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def declared_eos_ids(path: str, trust_remote_code: bool = False) -> list[int]:

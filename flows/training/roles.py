@@ -9,7 +9,9 @@ needs (flows/runtime/recovery.py decides where it comes from otherwise).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -19,7 +21,7 @@ from components.critic import Critic
 from components.data import load_prompts
 from components.distributed import is_distributed
 from components.lora import lora_settings
-from components.models import compile_layers, load_tokenizer, resolve_device, resolve_dtype
+from components.models import compile_layers, compiled_graphs, load_tokenizer, resolve_device, resolve_dtype
 from components.reference import AdapterReference, Reference
 from components.rewards import RewardModel, load_reward_function
 from flows.config import Config, layout_for, worker_role
@@ -112,8 +114,26 @@ def _announce_compilation(name: str, instance):
     model = getattr(instance, "model", None)
     if getattr(model, "rlhf_compile_pending", False):
         model.rlhf_compile_pending = False
-        progress(f"compiling the {name}'s blocks (first step only) ...")
+        progress(f"compiling the {name}'s blocks (first step) ...")
     return instance
+
+
+@contextmanager
+def announcing_recompiles(name: str, instance) -> Iterator[None]:
+    """Around an update of a role whose blocks model.compile compiled: one line when an update after its first
+    compiled them again (a new kind of batch shape: the first new sequence length, the first new row count, a
+    micro-batch of one row; each once, and seconds on a GPU), so that a slow step says why."""
+    model = getattr(instance, "model", None)
+    if not hasattr(model, "rlhf_updates"):  # no compiled blocks (the CPU's, model.compile=false)
+        yield
+        return
+    before, began = compiled_graphs(), time.perf_counter()
+    yield
+    model.rlhf_updates += 1
+    added = compiled_graphs() - before
+    if model.rlhf_updates > 1 and added > 0:
+        progress(f"the {name}'s blocks compiled again for a new kind of batch shape ({added} graph(s); this update "
+                 f"took {time.perf_counter() - began:.1f} s; each kind of shape compiles once)")
 
 
 def _restore_trainer_state(updater, checkpoint: str | None) -> None:
@@ -130,6 +150,7 @@ def _compile_if_asked(config: Config, model) -> None:
         return
     print(f"model.compile: {compile_layers(model)} transformer blocks compiled")
     model.rlhf_compile_pending = True  # they compile at the first forward: trained_role says so then
+    model.rlhf_updates = 0  # updates so far: announcing_recompiles says when a later one compiles again
 
 
 def _build_reference(config: Config):

@@ -36,7 +36,7 @@ from flows.runtime.checkpoints import part_path, save_role_part
 from flows.runtime.weights import transport_for
 from flows.training.engines import seeds_requests
 from flows.training.registry import STAGES, stage
-from flows.training.roles import get_role, trained_role
+from flows.training.roles import announcing_recompiles, get_role, trained_role
 from flows.training.stage_io import (StageResult, read_batch, score_batch, sync_rollout_weights, timed,
                                      write_batch)
 from flows.training.validation import as_validations, validate
@@ -256,7 +256,7 @@ def update_actor(config: Config, step: int) -> StageResult:
     actor.state_step = None  # until this update is done: a failure midway leaves no known state
     metrics: dict[str, float] = {}
     on_policy = config.on_policy_update
-    with timed(metrics, "update_actor"):
+    with timed(metrics, "update_actor"), announcing_recompiles("actor", actor):
         metrics.update(actor.update(
             batch, old_logprobs=None if on_policy else
             _per_token(read_batch(config, step, "old_logprobs", rollout_table), "old_logprobs", length),
@@ -300,7 +300,7 @@ def update_critic(config: Config, step: int) -> StageResult:
     metrics: dict[str, float] = {}
     critic = trained_role(config, "critic", step, "update_critic")
     critic.state_step = None  # until this update is done
-    with timed(metrics, "update_critic"):
+    with timed(metrics, "update_critic"), announcing_recompiles("critic", critic):
         metrics.update(critic.update(
             batch, old_values=_per_token(read_batch(config, step, "values", rollout_table), "values", length),
             returns=_per_token(read_batch(config, step, "advantages", rollout_table), "returns", length)))

@@ -83,9 +83,41 @@ def test_the_first_use_of_a_role_whose_blocks_compile_says_so_once(trained, monk
     assert lines == []  # a model without compiled blocks (the CPU's, model.compile=false)
     first.model = type("Model", (), {"rlhf_compile_pending": True})()
     assert trained_role(config, "actor", 3, "update_actor") is first
-    assert lines == ["compiling the actor's blocks (first step only) ..."]
+    assert lines == ["compiling the actor's blocks (first step) ..."]
     trained_role(config, "actor", 3, "old_logprobs")
-    assert lines == ["compiling the actor's blocks (first step only) ..."] and not first.model.rlhf_compile_pending
+    assert lines == ["compiling the actor's blocks (first step) ..."] and not first.model.rlhf_compile_pending
+
+
+def test_an_update_that_compiles_the_blocks_again_says_so_once_per_kind_of_shape(tmp_path, monkeypatch):
+    """model.compile's blocks compile again for a new kind of batch shape (the first new sequence length, the first
+    new row count); on a GPU that is seconds inside one update, and the update after the first that pays it says
+    so. A real tiny model, its blocks compiled as model.compile compiles them (torch's aot_eager backend here: the
+    same guards and recompiles as inductor, no C++ compiler)."""
+    import torch
+
+    from components.models import compile_layers, load_causal_lm
+    from components.tiny import build_tiny_model
+
+    torch._dynamo.reset()
+    model = load_causal_lm(str(build_tiny_model(tmp_path / "model")))
+    assert compile_layers(model, backend="aot_eager") > 0
+    model.rlhf_updates = 0  # as roles._compile_if_asked marks a model whose blocks it compiled
+    instance = type("Role", (), {"model": model})()
+    lines = []
+    monkeypatch.setattr(roles, "progress", lines.append)
+
+    def update(rows, length):
+        ids = torch.randint(3, 200, (rows, length))
+        with roles.announcing_recompiles("actor", instance):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits.float().mean().backward()
+        return len(lines)
+
+    # first update (announced before it by trained_role), same shape, a new length, the lengths dynamic now, a
+    # new row count, both seen
+    assert [update(4, 6), update(4, 6), update(4, 9), update(4, 11), update(3, 11), update(3, 7)] == [0, 0, 1, 1, 2, 2]
+    assert lines[0].startswith("the actor's blocks compiled again for a new kind of batch shape (1 graph(s); "
+                               "this update took ")
+    torch._dynamo.reset()
 
 
 def test_a_lora_runs_reference_is_the_actors_model_in_the_actors_process_only(tmp_path, monkeypatch):
