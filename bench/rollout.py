@@ -261,7 +261,8 @@ def report(args: argparse.Namespace, measure: Measurements, described: dict, run
     rows += [
         {"measure": "stage / raw", "value": f"{stage_tps / raw_tps:.3f}"},
         {"measure": "stage / best raw", "value": f"{stage_tps / best_raw:.3f}"},
-        {"measure": "stage / raw on new prompts (raw_fresh)", "value": f"{stage_tps / rates.get('raw_fresh', math.nan):.3f}"},
+        {"measure": "stage / raw on new prompts (raw_fresh)",
+         "value": f"{stage_tps / rates.get('raw_fresh', math.nan):.3f}"},
         {"measure": "stage / raw with the same log-prob share", "value": f"{stage_tps / raw_logprob_tps:.3f}"},
         {"measure": "stage_seeded / raw seeded", "value": f"{seeded:.3f}"},
     ] + [
@@ -282,7 +283,8 @@ def report(args: argparse.Namespace, measure: Measurements, described: dict, run
           "stage_over_raw": stage_tps / raw_tps, "raw_logprobs_tokens_per_s": raw_logprob_tps,
           "stage_over_raw_logprobs": stage_tps / raw_logprob_tps,
           "stage_over_raw_no_detokenize": stage_tps / rates.get("raw_no_detokenize", math.nan),
-          "stage_over_best_raw": stage_tps / best_raw, "stage_over_raw_fresh": stage_tps / rates.get("raw_fresh", math.nan), "tokens_per_s": rates, "runs": runs,
+          "stage_over_best_raw": stage_tps / best_raw,
+          "stage_over_raw_fresh": stage_tps / rates.get("raw_fresh", math.nan), "tokens_per_s": rates, "runs": runs,
           "stage_splits": measure.splits, "weight_sync_s": syncs, "engine_start_s": measure.start_s, **sleep,
           "machine": machine_info()}, args.out)
 
