@@ -250,12 +250,12 @@ def sync_and_sleep(measure: Measurements, model_dir: Path, on_gpu: bool) -> tupl
 def report(args: argparse.Namespace, measure: Measurements, described: dict, runs: dict, syncs: list[float],
            sleep: dict) -> None:
     """The table (medians, the ratios, the stage's split) and the RESULT JSON."""
-    rates = {name: statistics.median(tokens / seconds for seconds, tokens in runs[name]) for name in runs}
+    spread = {name: [tokens / seconds for seconds, tokens in runs[name]] for name in runs}
+    rates = {name: statistics.median(values) for name, values in spread.items()}
     raw_tps, raw_logprob_tps = rates.get("raw", math.nan), rates.get("raw_no_detokenize_logprobs", math.nan)
     stage_tps = rates["stage"]
     best_raw = max(rates[name] for name in rates if name.startswith("raw"))
     seeded = rates.get("stage_seeded", math.nan) / rates.get("raw_no_detokenize_seeded", math.nan)
-    spread = {name: [tokens / seconds for seconds, tokens in runs[name]] for name in runs}
     rows = [{"measure": f"{described[name]} (tokens/s, median (min-max))",
              "value": f"{rates[name]:,.0f} ({min(spread[name]):,.0f}-{max(spread[name]):,.0f})"} for name in runs]
     rows += [

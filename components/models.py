@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -185,8 +186,6 @@ def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
 def compiled_graphs() -> int:
     """Graphs torch.compile has compiled in this process so far: each compile and each recompile (a guard on a shape
     failed) adds one; 0 before torch's compiler is first used."""
-    import sys
-
     if "torch._dynamo" not in sys.modules:
         return 0
     from torch._dynamo.utils import counters

@@ -112,12 +112,15 @@ def test_an_update_that_compiles_the_blocks_again_says_so_once_per_kind_of_shape
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits.float().mean().backward()
         return len(lines)
 
-    # first update (announced before it by trained_role), same shape, a new length, the lengths dynamic now, a
-    # new row count, both seen
-    assert [update(4, 6), update(4, 6), update(4, 9), update(4, 11), update(3, 11), update(3, 7)] == [0, 0, 1, 1, 2, 2]
-    assert lines[0].startswith("the actor's blocks compiled again for a new kind of batch shape (1 graph(s); "
-                               "this update took ")
-    torch._dynamo.reset()
+    try:
+        # first update (announced before it by trained_role), same shape, a new length, the lengths dynamic now, a
+        # new row count, both seen
+        counts = [update(4, 6), update(4, 6), update(4, 9), update(4, 11), update(3, 11), update(3, 7)]
+        assert counts == [0, 0, 1, 1, 2, 2]
+        assert lines[0].startswith("the actor's blocks compiled again for a new kind of batch shape (1 graph(s); "
+                                   "this update took ")
+    finally:
+        torch._dynamo.reset()  # the next tests start without these compiled graphs
 
 
 def test_a_lora_runs_reference_is_the_actors_model_in_the_actors_process_only(tmp_path, monkeypatch):
