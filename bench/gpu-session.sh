@@ -16,7 +16,8 @@
 #                                      bench/real_model.py on the 0.5B bench model and `rlhf make-data arithmetic`,
 #                                      its warm-start included, stopped after the first validated step past PRESET_BUDGET_S of
 #                                      training, default 30), then bench/step.py at the preset's knobs (16 + 16
-#                                      tokens, micro-batch 64): issue 37's "preset within 20% of step.py"
+#                                      tokens, micro-batch 64): issue 37's "preset within 20% of step.py";
+#                                      PRESET_SET="model.compile_dynamic=true" overrides both runs' config
 #   bash bench/gpu-session.sh verl     one H200, GPU 0: verl 0.9.1's GRPO trainer at the `one` phase's knobs
 #                                      (bench/verl/README.md; STEPS default 3), for the same lease as `one`
 #   bash bench/gpu-session.sh w        one H200, GPU 0: bench/weight_sync.py (storage, then memory) at the 0.5B, then
@@ -44,8 +45,9 @@
 #   bash bench/gpu-session.sh 5        phase 5: bench/rollout.py alone on GPU 0
 #   bash bench/gpu-session.sh 6        phase 6: as phase 3, with trainer.one_step_ahead
 #   bash bench/gpu-session.sh u        bench/update.py on GPU 0: the actor update alone, variants (U_VARIANTS, default
-#                                      "defaults compile micro32 compile-micro32 unfused"; and the code before this
-#                                      change when .baseline/ holds a copy of it)
+#                                      "defaults compile micro32 compile-micro32 unfused"; also dynamic:
+#                                      model.compile_dynamic=true; and the code before this change when .baseline/
+#                                      holds a copy of it)
 #   bash bench/gpu-session.sh table    the issue's whole table in one call (under 10 minutes as measured in
 #                                      bench/README.md): GPU 0: product GRPO, then product PPO | GPU 1: TRL GRPO;
 #                                      then both GPUs: product GRPO with one-step-ahead, then without; every run
@@ -206,15 +208,18 @@ for phase in "$@"; do
        [ -f $data/train.parquet ] || "$PY" -m flows.tools.cli make-data arithmetic $data > "$LOGS/preset-data.log" 2>&1
        "$PY" -m flows.tools.cli doctor configs/gpu-1x.yaml model.path="$MODEL" "data.train_files=[$data/train.parquet]" \
          "data.val_files=[$data/validation.parquet]" 2>&1 | grep -iE "checkpoint|placement|error" | cut -c1-300
+       # PRESET_SET (space-separated KEY=VALUE): config overrides for both runs (e.g. model.compile_dynamic=true)
+       preset_set=(); step_set=(); for item in ${PRESET_SET:-}; do preset_set+=("$item"); step_set+=(--set "$item"); done
        left=$((DEADLINE_S - (SECONDS - STARTED) - 170))  # the rest for step.py's twin run
        [ "$left" -ge 90 ] || { echo "== preset skipped: $((SECONDS - STARTED)) s of DEADLINE_S=$DEADLINE_S used"; continue; }
        echo "== $(date +%T) (+$((SECONDS - STARTED)) s) preset gpu-1x (limit ${left} s)"
        CUDA_VISIBLE_DEVICES=0 timeout "$left" "$PY" bench/real_model.py configs/gpu-1x.yaml model.path="$MODEL" \
          "data.train_files=[$data/train.parquet]" "data.val_files=[$data/validation.parquet]" \
-         run.storage_root=/tmp/rlhf-preset-runs --budget-s "${PRESET_BUDGET_S:-30}" --max-steps 100 --name preset-gpu-1x \
+         run.storage_root=/tmp/rlhf-preset-runs "${preset_set[@]}" --budget-s "${PRESET_BUDGET_S:-30}" --max-steps 100 --name preset-gpu-1x \
          --out "$OUT/preset-gpu-1x.json" > "$LOGS/preset-gpu-1x.log" 2>&1
        echo "== $(date +%T) (+$((SECONDS - STARTED)) s) preset gpu-1x exit $?"
-       grep -E "^step [0-9]+/|checkpoint|compiling|warning" "$LOGS/preset-gpu-1x.log" | cut -c1-250 | tail -14
+       grep -E "^step [0-9]+/|checkpoint|compil|warning" "$LOGS/preset-gpu-1x.log" | cut -c1-250 | tail -14
+       grep -ciE "recompil" "$LOGS/preset-gpu-1x.log" | sed 's/^/preset gpu-1x: lines naming a recompile: /'  # TORCH_LOGS=recompiles
        "$PY" - "$OUT/preset-gpu-1x.json" <<'PRESET' || tail -30 "$LOGS/preset-gpu-1x.log"
 import json, statistics, sys
 rows = json.load(open(sys.argv[1]))["train"]
@@ -227,7 +232,7 @@ print(f"preset gpu-1x: {len(steps)} steps after the first: step s mean {statisti
 PRESET
        rm -rf /tmp/rlhf-preset-runs
        run grpo-1gpu-preset-knobs 0 bench/step.py --algorithm grpo --gpus 1 --steps "${STEPS:-5}" --prompt-tokens 16 \
-         --response-tokens 16 --micro-batch 64 ;;
+         --response-tokens 16 --micro-batch 64 "${step_set[@]}" ;;
     verl) # one H200: verl 0.9.1's own GRPO trainer at the `one` phase's knobs (bench/verl/README.md: the wheels copied
        # to /tmp/verl-stage first, VERL_PREP_ONLY=1 once); STEPS (default 3: one warm-up and two measured steps)
        echo "== verl: bench/verl/verl_bench.sh STEPS=${STEPS:-3}"
@@ -278,6 +283,7 @@ PRESET
            micro32) update micro32 --micro-batch 32 ;;
            compile-micro32) update compile-micro32 --micro-batch 32 --set model.compile=true ;;
            unfused) update unfused --set model.fused_logprobs=false ;;
+           dynamic) update dynamic --profile --set model.compile_dynamic=true ;;
            *) echo "== update: unknown U_VARIANTS entry $variant" ;;
          esac
        done ;;
