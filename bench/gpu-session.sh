@@ -17,7 +17,7 @@
 #                                      its warm-start included, stopped after the first validated step past PRESET_BUDGET_S of
 #                                      training, default 30), then bench/step.py at the preset's knobs (16 + 16
 #                                      tokens, micro-batch 64): issue 37's "preset within 20% of step.py";
-#                                      PRESET_SET="model.compile_dynamic=true" overrides both runs' config
+#                                      PRESET_SET="model.compile=false" overrides both runs' config
 #   bash bench/gpu-session.sh verl     one H200, GPU 0: verl 0.9.1's GRPO trainer at the `one` phase's knobs
 #                                      (bench/verl/README.md; STEPS default 3), for the same lease as `one`
 #   bash bench/gpu-session.sh w        one H200, GPU 0: bench/weight_sync.py (storage, then memory) at the 0.5B, then
@@ -45,8 +45,9 @@
 #   bash bench/gpu-session.sh 5        phase 5: bench/rollout.py alone on GPU 0
 #   bash bench/gpu-session.sh 6        phase 6: as phase 3, with trainer.one_step_ahead
 #   bash bench/gpu-session.sh u        bench/update.py on GPU 0: the actor update alone, variants (U_VARIANTS, default
-#                                      "defaults compile micro32 compile-micro32 unfused"; also dynamic:
-#                                      model.compile_dynamic=true; and the code before this change when .baseline/
+#                                      "defaults compile micro32 compile-micro32 unfused"; also natural and
+#                                      natural-unaligned: recompiles over 9 updates of natural lengths, the cut
+#                                      lengths aligned to 8 or not; and the code before this change when .baseline/
 #                                      holds a copy of it)
 #   bash bench/gpu-session.sh table    the issue's whole table in one call (under 10 minutes as measured in
 #                                      bench/README.md): GPU 0: product GRPO, then product PPO | GPU 1: TRL GRPO;
@@ -208,7 +209,7 @@ for phase in "$@"; do
        [ -f $data/train.parquet ] || "$PY" -m flows.tools.cli make-data arithmetic $data > "$LOGS/preset-data.log" 2>&1
        "$PY" -m flows.tools.cli doctor configs/gpu-1x.yaml model.path="$MODEL" "data.train_files=[$data/train.parquet]" \
          "data.val_files=[$data/validation.parquet]" 2>&1 | grep -iE "checkpoint|placement|error" | cut -c1-300
-       # PRESET_SET (space-separated KEY=VALUE): config overrides for both runs (e.g. model.compile_dynamic=true)
+       # PRESET_SET (space-separated KEY=VALUE): config overrides for both runs (e.g. model.compile=false)
        preset_set=(); step_set=(); for item in ${PRESET_SET:-}; do preset_set+=("$item"); step_set+=(--set "$item"); done
        left=$((DEADLINE_S - (SECONDS - STARTED) - 170))  # the rest for step.py's twin run
        [ "$left" -ge 90 ] || { echo "== preset skipped: $((SECONDS - STARTED)) s of DEADLINE_S=$DEADLINE_S used"; continue; }
@@ -283,7 +284,10 @@ PRESET
            micro32) update micro32 --micro-batch 32 ;;
            compile-micro32) update compile-micro32 --micro-batch 32 --set model.compile=true ;;
            unfused) update unfused --set model.fused_logprobs=false ;;
-           dynamic) update dynamic --profile --set model.compile_dynamic=true ;;
+           natural|natural-unaligned)  # a new batch of natural lengths each update at the gpu-1x preset's knobs: when
+             # the compiled blocks compile again, with the cut lengths aligned to 8 (the default), then without
+             update "$variant" --natural --steps 9 --prompt-tokens 16 --response-tokens 16 --micro-batch 64 \
+               $([ "$variant" = natural ] || echo --align 1) ;;
            *) echo "== update: unknown U_VARIANTS entry $variant" ;;
          esac
        done ;;

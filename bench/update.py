@@ -5,11 +5,16 @@
     python bench/update.py --profile                        # + where the GPU time of one update goes
     python bench/update.py --device cpu --preset tiny --samples 8 --prompt-tokens 8 --response-tokens 8 \
         --micro-batch 4                                     # smoke test of the script
+    python bench/update.py --natural --steps 9 --prompt-tokens 16 --response-tokens 16 --micro-batch 64
+                                                            # a new batch of natural lengths each update: when the
+                                                            # compiled blocks compile again (--align 1: no alignment)
 
 No Prefect, MLflow or vLLM: it builds the actor the way the actor role does (`flows.training.roles`), feeds it
 one fixed random batch (every prompt and response full length, advantages ~ N(0, 1), the engine's
 log-probs for 1 sample in 8 as in `rollout.logprobs_fraction`) and times `Actor.update` with CUDA
-synchronised around it. Steps after --warmup are averaged; the first holds any compilation.
+synchronised around it. Steps after --warmup are averaged; the first holds any compilation. `--natural`: each
+update a new batch whose prompts and responses have random real lengths (1 to the given tokens), as a run's
+batches do; each update's graphs compiled (torch's counter) are printed, so a compile after the first shows.
 
 MFU: the update's model FLOPs (`bench.step.update_flops`, counted as bench/trl_grpo.py does) over the
 bf16 matmul rate measured on this GPU. `--profile` records one more update with torch.profiler and
@@ -47,7 +52,8 @@ def kernel_group(name: str) -> str:
     return "other (elementwise, norms, copies)"
 
 
-def synthetic_batch(samples: int, prompt_tokens: int, response_tokens: int, vocab: int, seed: int = 0):
+def synthetic_batch(samples: int, prompt_tokens: int, response_tokens: int, vocab: int, seed: int = 0,
+                    natural: bool = False):
     import torch
 
     from components.batch import build_sequence_batch
@@ -55,7 +61,11 @@ def synthetic_batch(samples: int, prompt_tokens: int, response_tokens: int, voca
     generator = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, vocab, (samples, prompt_tokens), generator=generator).tolist()
     responses = torch.randint(0, vocab, (samples, response_tokens), generator=generator).tolist()
+    if natural:  # real lengths 1 .. the given tokens, as a run's batches (left-padded prompts, right-padded answers)
+        prompts = [row[:int(torch.randint(1, prompt_tokens + 1, (), generator=generator))] for row in prompts]
+        responses = [row[:int(torch.randint(1, response_tokens + 1, (), generator=generator))] for row in responses]
     batch = build_sequence_batch(prompts, responses, pad_token_id=0)
+    response_tokens = batch.response_length
     advantages = torch.randn(samples, 1, generator=generator).expand(samples, response_tokens).contiguous()
     engine = torch.full((samples, response_tokens), float("nan"))
     engine[::8] = -torch.rand(len(range(0, samples, 8)), response_tokens, generator=generator) * 5
@@ -76,6 +86,9 @@ def main() -> None:
                         help="config override, repeatable (model.compile=true, model.fused_logprobs=false, ...)")
     parser.add_argument("--label", default=None, help="the row's name in the table")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--natural", action="store_true", help="each update a new batch of random real lengths")
+    parser.add_argument("--align", type=int, default=None,
+                        help="components.batch.ALIGNED for this run (1: the cut lengths unaligned, as before 8)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -86,8 +99,13 @@ def main() -> None:
     import components
     from bench.step import update_flops
     from flows.config import build_config
+    from components.models import compiled_graphs
     from flows.training.roles import _build_actor
 
+    if args.align is not None:
+        import components.batch
+
+        components.batch.ALIGNED = args.align
     model_dir = make_random_model(args.model_dir or f"/tmp/rlhf-bench-models/{args.preset}", args.preset)
     samples = args.samples
     config = build_config({
@@ -102,45 +120,56 @@ def main() -> None:
     peak_tflops = measure_bf16_matmul_tflops() if args.device == "cuda" else None
     actor = _build_actor(config)
     model_config = AutoConfig.from_pretrained(model_dir)
-    batch, advantages, engine_logprobs = synthetic_batch(samples, args.prompt_tokens, args.response_tokens,
-                                                         model_config.vocab_size)
+    fixed = synthetic_batch(samples, args.prompt_tokens, args.response_tokens, model_config.vocab_size)
+    batches = (lambda index: synthetic_batch(samples, args.prompt_tokens, args.response_tokens,
+                                             model_config.vocab_size, seed=index, natural=True)) if args.natural \
+        else (lambda index: fixed)
+    graphs = []  # graphs compiled by each update (torch's counter): > 0 after the first is a compile again
 
-    def update() -> tuple[float, dict]:
+    def update(index: int = 0) -> tuple[float, dict]:
+        batch, advantages, engine_logprobs = batches(index)
+        before = compiled_graphs()
         if args.device == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
         metrics = actor.update(batch, old_logprobs=None, advantages=advantages, rollout_logprobs=engine_logprobs)
         if args.device == "cuda":
             torch.cuda.synchronize()
+        graphs.append(compiled_graphs() - before)
         return time.perf_counter() - started, metrics
 
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
     for index in range(args.warmup + args.steps):
-        seconds, metrics = update()
+        seconds, metrics = update(index)
         times.append(seconds)
         print(f"update {index}: {seconds:.3f} s  pg_loss {metrics['actor/pg_loss']:.4f}  "
-              f"gap {metrics.get('rollout/logprob_diff_mean', float('nan')):.3f}", flush=True)
+              f"gap {metrics.get('rollout/logprob_diff_mean', float('nan')):.3f}  graphs compiled {graphs[-1]}",
+              flush=True)
     measured = times[args.warmup:]
     update_s = statistics.mean(measured)
     flops = update_flops(model_config, samples, args.prompt_tokens, args.response_tokens)
     result = {
         "bench": "update", "label": args.label or (", ".join(args.set) or "defaults"),
         "code": str(Path(components.__file__).resolve().parent.parent),
-        "update_s": update_s, "update_s_all": times, "update_tflops": flops / update_s / 1e12,
+        "update_s": update_s, "update_s_all": times, "graphs_per_update": graphs[:len(times)],
+        "update_tflops": None if args.natural else flops / update_s / 1e12,  # natural: fewer FLOPs than counted
         "matmul_peak_tflops": peak_tflops,
-        "update_mfu": flops / update_s / 1e12 / peak_tflops if peak_tflops else None,
+        "update_mfu": flops / update_s / 1e12 / peak_tflops if peak_tflops and not args.natural else None,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
         "args": vars(args), "machine": machine_info(),
     }
     if args.profile and args.device == "cuda":
         result["profile"] = profile_update(update)
     print(markdown_table([{
-        "run": result["label"], "update s": f"{update_s:.3f}", "TFLOP/s": f"{result['update_tflops']:.1f}",
+        "run": result["label"], "update s": f"{update_s:.3f}",
+        "TFLOP/s": f"{result['update_tflops']:.1f}" if result["update_tflops"] else "",
         "MFU": f"{result['update_mfu']:.3f}" if result["update_mfu"] else "",
         "peak GiB": f"{result['peak_allocated_gib']:.1f}" if result["peak_allocated_gib"] else "",
     }], ["run", "update s", "TFLOP/s", "MFU", "peak GiB"]))
+    print(f"graphs compiled after the first update: {sum(graphs[1:len(times)])} "
+          f"(in updates {[index for index, added in enumerate(graphs[:len(times)]) if index and added]})")
     if "profile" in result:
         profile = result["profile"]
         print(f"profiled update: wall {profile['wall_s']:.3f} s, GPU kernels {profile['kernel_s']:.3f} s "

@@ -17,7 +17,7 @@ from pydantic import Field
 from components.algorithms import aggregate_loss, get_policy_loss, kl_loss, logprob_gap
 from components.algorithms.fused import logprobs_and_entropy
 from components.distributed import is_distributed
-from components.batch import PaddingPlan, SequenceBatch, micro_batches, model_logits, pad_responses
+from components.batch import PaddingPlan, SequenceBatch, aligned, micro_batches, model_logits, pad_responses
 from components.lora import MergedWeights, apply_lora, is_lora, load_adapter
 from components.models import load_causal_lm, load_tokenizer
 from components.precision import Precision, prepare_trained_model
@@ -90,7 +90,7 @@ def sequence_logprobs(
     model.eval()
     device = next(model.parameters()).device
     logprob_parts, entropy_parts = [], []
-    for micro in micro_batches(batch, micro_batch_size):
+    for micro in micro_batches(batch, micro_batch_size, aligned(device)):
         micro = micro.to(device)
         logprobs, entropy = logprobs_and_entropy(model_logits(model, micro), micro.response_ids, temperature,
                                                  fused=fused, with_entropy=with_entropy)
@@ -186,7 +186,7 @@ class Actor:
         device = self.device
         gap: dict[str, torch.Tensor] = {}
         response_mask = batch.response_mask  # on the host: the loop's row weights are read without a sync
-        plan = PaddingPlan(batch)  # each micro-batch is cut to its longest row (bounds read on the host)
+        plan = PaddingPlan(batch, aligned(device))  # each micro-batch cut to its longest row (bounds read on the host)
         batch = batch.to(device)
         old_logprobs, advantages, ref_logprobs, rollout_logprobs = to_device(
             device, old_logprobs, advantages, ref_logprobs, rollout_logprobs)

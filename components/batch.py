@@ -72,16 +72,23 @@ class SequenceBatch:
         )
 
 
+ALIGNED = 8
+"""On CUDA every cut micro-batch is a multiple of this many tokens long (where the batch has the columns): the
+bf16 matmuls' tile width, and one kind of shape for model.compile's blocks, which otherwise compile again for the
+first length that is not a multiple of 8 (the guard `(length % 8) == 0` the compiler adds for aligned memory)."""
+
+
 class PaddingPlan:
     """Per-row padding of a batch, kept on the host, to cut each micro-batch to its own longest row.
 
     `bounds(rows)` gives (left-padding columns every row of `rows` has, response columns up to the last
     real token of any row) without touching the GPU; `lengths` (real tokens per row) lets the update
-    group rows of similar length into the same micro-batches.
+    group rows of similar length into the same micro-batches. `multiple` (ALIGNED on CUDA): each cut's length a
+    multiple of it where the batch has the columns, by keeping left padding first, then by response columns.
     """
 
-    def __init__(self, batch: SequenceBatch):
-        self.prompt_length = batch.prompt_length
+    def __init__(self, batch: SequenceBatch, multiple: int = 1):
+        self.prompt_length, self.response_columns, self.multiple = batch.prompt_length, batch.response_length, multiple
         prompt_mask = batch.attention_mask[:, : batch.prompt_length].cpu()
         self.left_padding = (prompt_mask == 0).long().cumprod(dim=1).sum(dim=1)  # [B]
         response_mask = batch.response_tokens.cpu() > 0
@@ -93,7 +100,10 @@ class PaddingPlan:
     def bounds(self, rows: torch.Tensor | slice) -> tuple[int, int]:
         # One prompt column stays: the position before the first response token predicts it.
         drop = min(int(self.left_padding[rows].min()), max(self.prompt_length - 1, 0))
-        return drop, max(1, int(self.response_extent[rows].max()))
+        width = max(1, int(self.response_extent[rows].max()))
+        short = -(self.prompt_length - drop + width) % self.multiple  # columns to the next multiple
+        kept = min(short, drop)  # of left padding, which costs no LM-head work
+        return drop - kept, min(width + short - kept, max(self.response_columns, width))
 
     def cut(self, batch: SequenceBatch, rows: torch.Tensor | slice,
             device_rows: torch.Tensor | None = None) -> tuple[SequenceBatch, int]:
@@ -104,9 +114,14 @@ class PaddingPlan:
         return batch.select(rows if device_rows is None else device_rows).narrow(drop, width), width
 
 
-def micro_batches(batch: SequenceBatch, micro_batch_size: int) -> Iterator[SequenceBatch]:
+def aligned(device: torch.device) -> int:
+    """The multiple the cut micro-batches' lengths are padded to on `device` (PaddingPlan's `multiple`)."""
+    return ALIGNED if device.type == "cuda" else 1
+
+
+def micro_batches(batch: SequenceBatch, micro_batch_size: int, multiple: int = 1) -> Iterator[SequenceBatch]:
     """Consecutive micro-batches of `batch`, each cut to its longest row (the no-grad passes)."""
-    plan = PaddingPlan(batch)
+    plan = PaddingPlan(batch, multiple)
     for start in range(0, batch.size, micro_batch_size):
         yield plan.cut(batch, slice(start, start + micro_batch_size))[0]
 

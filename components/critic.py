@@ -10,7 +10,7 @@ import torch
 from pydantic import Field
 
 from components.algorithms import value_loss
-from components.batch import PaddingPlan, SequenceBatch, micro_batches, pad_responses
+from components.batch import PaddingPlan, SequenceBatch, aligned, micro_batches, pad_responses
 from components.distributed import is_distributed
 from components.lora import apply_lora, load_adapter
 from components.models import load_pretrained
@@ -89,14 +89,14 @@ class Critic:
     def compute_values(self, batch: SequenceBatch) -> torch.Tensor:
         self.model.eval()
         return torch.cat([pad_responses(response_values(self.model, micro.to(self.device)), batch.response_length).cpu()
-                          for micro in micro_batches(batch, self.config.micro_batch_size)])
+                          for micro in micro_batches(batch, self.config.micro_batch_size, aligned(self.device))])
 
     def update(self, batch: SequenceBatch, *, old_values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
         """Clipped value regression on the returns (inputs `[B, T]`); returns `critic/*` metrics."""
         config = self.config
         device = self.device
         response_mask = batch.response_mask  # on the host: the loop's row weights are read without a sync
-        plan = PaddingPlan(batch)  # each micro-batch is cut to its longest row (bounds read on the host)
+        plan = PaddingPlan(batch, aligned(device))  # each micro-batch cut to its longest row (bounds read on the host)
         batch = batch.to(device)
         old_values, returns = to_device(device, old_values, returns)
 

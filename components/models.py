@@ -165,7 +165,7 @@ def load_causal_lm(path: str, **kwargs):
     return load_pretrained(AutoModelForCausalLM, path, **kwargs)
 
 
-def compile_layers(model: torch.nn.Module, backend: str = "inductor", dynamic: bool = False) -> int:
+def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
     """torch.compile each transformer block of `model` in place; returns how many were compiled.
 
     Regional compilation: the blocks share one code object, so the compiler traces one block once and
@@ -173,14 +173,15 @@ def compile_layers(model: torch.nn.Module, backend: str = "inductor", dynamic: b
     between the matmuls (RMSNorm, rotary embedding, SiLU * up, residual adds) in forward and backward.
     A new sequence length recompiles once, after which lengths are dynamic; so does the first new row count, and a
     micro-batch of a single row (flows.training.roles.announcing_recompiles says so when it happens).
-    dynamic=True compiles for any row count and length from the first update (only a one-row micro-batch
-    compiles once more).
+    The first micro-batch without padding compiles once more too (transformers passes no mask then; SDPA takes
+    is_causal). On CUDA the cut lengths are multiples of 8 (components.batch.ALIGNED), else the first length
+    that is not compiles again. Starting dynamic (dynamic=True) was measured and did not help (bench/README.md).
     """
     count = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h", "blocks"):
             for layer in module:
-                layer.compile(backend=backend, dynamic=True if dynamic else None)
+                layer.compile(backend=backend)
                 count += 1
     return count
 
@@ -277,11 +278,6 @@ class ModelConfig(Section):
     the norms, rotary embedding and activations between the matmuls (a 0.5B update: 1.48x faster, 19%
     less memory). Costs a compile of about 8 s in the first update, and one more when the sequence length
     first changes; ignored on the CPU and when the model is sharded (FSDP). false: eager PyTorch."""
-    compile_dynamic: bool = False
-    """With model.compile: compile the blocks for any row count and sequence length at the first update, so that a
-    later step with a new kind of batch shape does not stop for seconds to compile again (only a one-row
-    micro-batch still does). false: the first shape compiles for itself, the first new length and row count
-    compile once more each."""
     trust_remote_code: bool = False
     """Passed to from_pretrained (only for hub models you trust)."""
     from_run: str | None = None

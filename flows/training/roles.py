@@ -148,9 +148,7 @@ def _compile_if_asked(config: Config, model) -> None:
     if is_distributed():
         print("model.compile: not applied to a sharded (FSDP) model; it runs eagerly")
         return
-    dynamic = config.model.compile_dynamic
-    print(f"model.compile: {compile_layers(model, dynamic=dynamic)} transformer blocks compiled"
-          f"{' for any batch shape (model.compile_dynamic)' if dynamic else ''}")
+    print(f"model.compile: {compile_layers(model)} transformer blocks compiled")
     model.rlhf_compile_pending = True  # they compile at the first forward: trained_role says so then
     model.rlhf_updates = 0  # updates so far: announcing_recompiles says when a later one compiles again
 

@@ -144,6 +144,24 @@ def test_padding_plan_bounds_by_hand(batch):
     assert narrowed.response_ids.tolist() == [[5, 6, 7]]
 
 
+def test_padding_plan_aligns_each_cut_by_left_padding_first_then_response_columns(batch):
+    """On CUDA (multiple 8) a cut's length is a multiple of the given number where the batch has the columns:
+    left padding kept first (no LM-head work), then response columns (their mask is 0), never past the batch."""
+    from components.batch import aligned
+
+    assert aligned(torch.device("cuda")) == 8 and aligned(torch.device("cpu")) == 1
+    # the batch above: prompts [1, 2] and [_, 3]; responses [4, _, _] and [5, 6, 7]; 2 + 3 columns
+    plan = PaddingPlan(batch, multiple=4)
+    assert plan.bounds(slice(0, 1)) == (0, 2)  # length 3 -> 4: one response column more
+    assert plan.bounds(torch.tensor([1])) == (1, 3)  # length 4 already
+    assert plan.bounds(torch.tensor([0, 1])) == (0, 3)  # length 5: the batch has no more columns
+    # prompts [1, 2, 3, 4] and [_, _, _, 5]; responses [6, _] and [7, 8]
+    long_prompt = build_sequence_batch([[1, 2, 3, 4], [5]], [[6], [7, 8]], pad_token_id=0)
+    assert PaddingPlan(long_prompt).bounds(torch.tensor([1])) == (3, 2)  # length 3
+    assert PaddingPlan(long_prompt, multiple=4).bounds(torch.tensor([1])) == (2, 2)  # one left-padding column kept
+    assert PaddingPlan(long_prompt, multiple=8).bounds(torch.tensor([1])) == (0, 2)  # all 6 columns, no more
+
+
 def test_padding_plan_keeps_one_prompt_column_and_one_response_column():
     batch = build_sequence_batch([[0], [0]], [[], []], pad_token_id=0)  # empty responses
     batch.attention_mask[:, 0] = 0  # and no prompt token either
@@ -159,4 +177,7 @@ def test_narrowed_micro_batch_gives_the_same_logits_on_its_tokens(tiny):
         drop, width = PaddingPlan(row).bounds(slice(0, 1))
         assert (drop, width) == (2, 1)
         narrowed = model_logits(model, row.narrow(drop, width))  # [1, 2, V]
+        assert PaddingPlan(row, multiple=4).bounds(slice(0, 1)) == (0, 1)  # aligned: both left-padding columns kept
+        aligned_logits = model_logits(model, row.narrow(0, 1))
     torch.testing.assert_close(narrowed[0, :1], full[1, :1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aligned_logits[0, :1], full[1, :1], atol=1e-5, rtol=1e-5)

@@ -88,12 +88,10 @@ def test_the_first_use_of_a_role_whose_blocks_compile_says_so_once(trained, monk
     assert lines == ["compiling the actor's blocks (first step) ..."] and not first.model.rlhf_compile_pending
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_an_update_that_compiles_the_blocks_again_says_so_once_per_kind_of_shape(tmp_path, monkeypatch, dynamic):
+def test_an_update_that_compiles_the_blocks_again_says_so_once_per_kind_of_shape(tmp_path, monkeypatch):
     """model.compile's blocks compile again for a new kind of batch shape (the first new sequence length, the first
     new row count, a one-row micro-batch); on a GPU that is seconds inside one update, and the update after the first
-    that pays it says so. model.compile_dynamic compiles them for any shape at the first update: only the one-row
-    micro-batch compiles again. A real tiny model, its blocks compiled as model.compile compiles them (torch's
+    that pays it says so. A real tiny model, its blocks compiled as model.compile compiles them (torch's
     aot_eager backend here: the same guards and recompiles as inductor, no C++ compiler)."""
     import torch
 
@@ -102,7 +100,7 @@ def test_an_update_that_compiles_the_blocks_again_says_so_once_per_kind_of_shape
 
     torch._dynamo.reset()
     model = load_causal_lm(str(build_tiny_model(tmp_path / "model")))
-    assert compile_layers(model, backend="aot_eager", dynamic=dynamic) > 0
+    assert compile_layers(model, backend="aot_eager") > 0
     model.rlhf_updates = 0  # as roles._compile_if_asked marks a model whose blocks it compiled
     instance = type("Role", (), {"model": model})()
     lines = []
@@ -118,7 +116,7 @@ def test_an_update_that_compiles_the_blocks_again_says_so_once_per_kind_of_shape
         # first update (announced before it by trained_role), same shape, a new length, the lengths dynamic now, a
         # new row count, both seen, one row
         counts = [update(4, 6), update(4, 6), update(4, 9), update(4, 11), update(3, 11), update(3, 7), update(1, 7)]
-        assert counts == ([0, 0, 0, 0, 0, 0, 1] if dynamic else [0, 0, 1, 1, 2, 2, 3])
+        assert counts == [0, 0, 1, 1, 2, 2, 3]
         assert lines[0].startswith("the actor's blocks compiled again for a new kind of batch shape (1 graph(s); "
                                    "this update took ")
     finally:
