@@ -146,6 +146,17 @@ def seeds_requests(config: Config, device_type: str | None = None) -> bool:
     return device != "cuda" or rollout_engine_name(config, device) != "vllm"
 
 
+def checks_logprobs(config: Config, step: int, device_type: str | None = None) -> bool:
+    """Whether step `step`'s rollout carries the engine's log-probs (rollout.logprobs_fraction) on `device_type`
+    (default: trainer.device in this process): steps 1 and 2 and every multiple of rollout.logprobs_every (its
+    default resolved: 1, except 10 for vLLM on a GPU)."""
+    every = config.rollout.logprobs_every
+    if every is None:
+        device = device_type or resolve_device(config.trainer.device).type
+        every = 10 if device == "cuda" and rollout_engine_name(config, device) == "vllm" else 1
+    return step <= 2 or step % every == 0
+
+
 def rollout_gpus(config: Config, visible: int) -> int:
     """GPUs the rollout's engines may use, of the `visible` ones of the process that builds it: all of them
     under trainer.execution=workers (only the rollout's worker builds it, pinned to the rollout's GPUs by the

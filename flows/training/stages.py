@@ -34,7 +34,7 @@ from flows.config import Config, layout_for
 from flows.runtime.batches import batches_for
 from flows.runtime.checkpoints import part_path, save_role_part
 from flows.runtime.weights import transport_for
-from flows.training.engines import seeds_requests
+from flows.training.engines import checks_logprobs, seeds_requests
 from flows.training.registry import STAGES, stage
 from flows.training.roles import announcing_recompiles, get_role, trained_role
 from flows.training.stage_io import (StageResult, read_batch, score_batch, sync_rollout_weights, timed,
@@ -91,11 +91,12 @@ def rollout(config: Config, step: int, weights_step: int | None = None, sync: st
     sampler = PromptSampler(len(records), config.data.prompts_per_step, config.trainer.seed, config.data.shuffle)
     prompts = [records[index] for index in sampler.batch_indices(step)]
     seed = config.trainer.seed * 1_000_003 + step if seeds_requests(config) else None  # rollout.seed_requests
+    fraction = config.rollout.logprobs_fraction if checks_logprobs(config, step) else 0.0  # rollout.logprobs_every
     params = SamplingParams(n=config.rollout.n, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                             top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens,
                             min_new_tokens=config.rollout.min_new_tokens, ignore_eos=config.rollout.ignore_eos,
                             stop=tuple(config.rollout.stop), seed=seed,
-                            logprobs_fraction=config.rollout.logprobs_fraction)
+                            logprobs_fraction=fraction)
     engine = get_role(config, "rollout")
     with timed(metrics, "gen"):
         generations = generate_samples(engine, get_role(config, "tokenizer"), [p.prompt_ids for p in prompts], params,

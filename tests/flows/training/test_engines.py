@@ -118,3 +118,26 @@ def test_requests_are_seeded_except_for_vllm_on_a_gpu(cuda, monkeypatch):
     assert engines.seeds_requests(build_config({}, ["trainer.device=cpu", "rollout.seed_requests=false"])) is False
     monkeypatch.setattr(engines, "rollout_engine_name", lambda config, device: "hf")
     assert engines.seeds_requests(gpu) is True  # transformers' generate: one seed per call, nothing to save
+
+
+def test_the_logprob_check_runs_on_steps_1_2_and_every_tenth_for_vllm_on_a_gpu(cuda, monkeypatch):
+    """rollout.logprobs_every: the rollout carries the engine's log-probs on steps 1 and 2 (the first after a weight
+    sync) and on its multiples; default 1 (every step), 10 for vLLM on a GPU."""
+    from flows.training import engines
+
+    def checked(config, device_type=None):
+        return [step for step in range(1, 32) if engines.checks_logprobs(config, step, device_type)]
+
+    cpu = build_config({}, ["trainer.device=cpu"])
+    assert checked(cpu) == list(range(1, 32))
+    gpu = build_config({}, ["trainer.device=cuda"])
+    monkeypatch.setattr(engines, "rollout_engine_name", lambda config, device: "vllm")
+    assert checked(gpu) == [1, 2, 10, 20, 30]
+    assert checked(gpu, "cpu") == list(range(1, 32))
+    assert checked(build_config({}, ["trainer.device=cuda", "rollout.logprobs_every=1"])) == list(range(1, 32))
+    assert checked(build_config({}, ["trainer.device=cpu", "rollout.logprobs_every=4"])) == [1, 2, 4, 8, 12, 16, 20,
+                                                                                              24, 28]
+    monkeypatch.setattr(engines, "rollout_engine_name", lambda config, device: "hf")
+    assert checked(gpu) == list(range(1, 32))  # transformers' generate: the log-probs come from its scores anyway
+    with pytest.raises(ValueError, match="rollout.logprobs_every"):
+        build_config({}, ["rollout.logprobs_every=0"])
