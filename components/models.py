@@ -276,8 +276,9 @@ class ModelConfig(Section):
     compile: bool = True
     """On CUDA, torch.compile each transformer block of the actor and critic (regional compilation): fuses
     the norms, rotary embedding and activations between the matmuls (a 0.5B update: 1.48x faster, 19%
-    less memory). Costs a compile of about 8 s in the first update, and one more when the sequence length
-    first changes; ignored on the CPU and when the model is sharded (FSDP). false: eager PyTorch."""
+    less memory). Costs a compile of about 8 s in the first update, and one more for each new kind of batch
+    (the first new length and row count, a micro-batch without padding, one of a single row; each once, and a
+    line says so); ignored on the CPU and when the model is sharded (FSDP). false: eager PyTorch."""
     trust_remote_code: bool = False
     """Passed to from_pretrained (only for hub models you trust)."""
     from_run: str | None = None

@@ -122,7 +122,8 @@ def _announce_compilation(name: str, instance):
 def announcing_recompiles(name: str, instance) -> Iterator[None]:
     """Around an update of a role whose blocks model.compile compiled: one line when an update after its first
     compiled them again (a new kind of batch shape: the first new sequence length, the first new row count, a
-    micro-batch of one row; each once, and seconds on a GPU), so that a slow step says why."""
+    micro-batch without padding, one of a single row; each once, and seconds on a GPU), so that a slow step says
+    why."""
     model = getattr(instance, "model", None)
     if not hasattr(model, "rlhf_updates"):  # no compiled blocks (the CPU's, model.compile=false)
         yield
@@ -133,7 +134,8 @@ def announcing_recompiles(name: str, instance) -> Iterator[None]:
     added = compiled_graphs() - before
     if model.rlhf_updates > 1 and added > 0:
         progress(f"the {name}'s blocks compiled again for a new kind of batch shape ({added} graph(s); this update "
-                 f"took {time.perf_counter() - began:.1f} s; each kind of shape compiles once)")
+                 f"took {time.perf_counter() - began:.1f} s; each kind of shape compiles once; TORCH_LOGS=recompiles "
+                 f"names the cause)")
 
 
 def _restore_trainer_state(updater, checkpoint: str | None) -> None:
