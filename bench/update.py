@@ -98,8 +98,8 @@ def main() -> None:
 
     import components
     from bench.step import update_flops
-    from flows.config import build_config
     from components.models import compiled_graphs
+    from flows.config import build_config
     from flows.training.roles import _build_actor
 
     if args.align is not None:
@@ -150,13 +150,13 @@ def main() -> None:
     measured = times[args.warmup:]
     update_s = statistics.mean(measured)
     flops = update_flops(model_config, samples, args.prompt_tokens, args.response_tokens)
+    tflops = None if args.natural else flops / update_s / 1e12  # natural: fewer FLOPs than counted
+    per_update = list(graphs)  # before a profiled update adds its own
     result = {
         "bench": "update", "label": args.label or (", ".join(args.set) or "defaults"),
         "code": str(Path(components.__file__).resolve().parent.parent),
-        "update_s": update_s, "update_s_all": times, "graphs_per_update": graphs[:len(times)],
-        "update_tflops": None if args.natural else flops / update_s / 1e12,  # natural: fewer FLOPs than counted
-        "matmul_peak_tflops": peak_tflops,
-        "update_mfu": flops / update_s / 1e12 / peak_tflops if peak_tflops and not args.natural else None,
+        "update_s": update_s, "update_s_all": times, "graphs_per_update": per_update, "update_tflops": tflops,
+        "matmul_peak_tflops": peak_tflops, "update_mfu": tflops / peak_tflops if tflops and peak_tflops else None,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
         "args": vars(args), "machine": machine_info(),
     }
@@ -168,8 +168,8 @@ def main() -> None:
         "MFU": f"{result['update_mfu']:.3f}" if result["update_mfu"] else "",
         "peak GiB": f"{result['peak_allocated_gib']:.1f}" if result["peak_allocated_gib"] else "",
     }], ["run", "update s", "TFLOP/s", "MFU", "peak GiB"]))
-    print(f"graphs compiled after the first update: {sum(graphs[1:len(times)])} "
-          f"(in updates {[index for index, added in enumerate(graphs[:len(times)]) if index and added]})")
+    print(f"graphs compiled after the first update: {sum(per_update[1:])} "
+          f"(in updates {[index for index, added in enumerate(per_update) if index and added]})")
     if "profile" in result:
         profile = result["profile"]
         print(f"profiled update: wall {profile['wall_s']:.3f} s, GPU kernels {profile['kernel_s']:.3f} s "

@@ -103,7 +103,7 @@ class PaddingPlan:
         width = max(1, int(self.response_extent[rows].max()))
         short = -(self.prompt_length - drop + width) % self.multiple  # columns to the next multiple
         kept = min(short, drop)  # of left padding, which costs no LM-head work
-        return drop - kept, min(width + short - kept, max(self.response_columns, width))
+        return drop - kept, min(width + short - kept, self.response_columns)
 
     def cut(self, batch: SequenceBatch, rows: torch.Tensor | slice,
             device_rows: torch.Tensor | None = None) -> tuple[SequenceBatch, int]:
