@@ -18,8 +18,8 @@
 #                                      training, default 30), then bench/step.py at the preset's knobs (16 + 16
 #                                      tokens, micro-batch 64): issue 37's "preset within 20% of step.py";
 #                                      PRESET_SET="model.compile=false" overrides both runs' config
-#                                      (on a fresh machine DEADLINE_S=590: vLLM's first start compiles; at 520 the
-#                                      preset run was stopped in it on 2026-12-07)
+#                                      (on a fresh machine keep DEADLINE_S at its 590 default: vLLM's first start
+#                                      compiles; at 520 the preset run was stopped in it on 2026-12-07)
 #   bash bench/gpu-session.sh verl     one H200, GPU 0: verl 0.9.1's GRPO trainer at the `one` phase's knobs
 #                                      (bench/verl/README.md; STEPS default 3), for the same lease as `one`
 #   bash bench/gpu-session.sh w        one H200, GPU 0: bench/weight_sync.py (storage, then memory) at the 0.5B, then
