@@ -129,54 +129,62 @@ def digit_fraction_reward(completions, **kwargs) -> list[float]:
     return [sum(ch.isdigit() for ch in text) / max(len(text), 1) for text in completions]
 
 
-def make_grpo_config(args: argparse.Namespace, output_dir: str):
-    """The GRPOConfig of this benchmark (see bench/README.md for why each knob is what it is)."""
+def one_round_grpo_config(output_dir: str, *, prompts: int, n: int, micro_batch: int, device: str, seed: int,
+                          **knobs):
+    """A GRPOConfig of one process and one generation round per optimizer step: prompts × n completions from the
+    colocated vLLM engine (no sleep mode, tensor parallel 1), one optimizer step over them in micro-batches of
+    micro_batch (gradients accumulated), bf16 autocast, a constant learning rate, no gradient checkpointing (TRL's
+    default is True), no evaluation, checkpoints or trackers, a log line every step. `knobs` are the caller's other
+    GRPOConfig fields. Raises when TRL resolves the batch to anything else."""
     from trl import GRPOConfig
 
-    sequences = args.prompts * args.n
+    sequences = prompts * n
     config = GRPOConfig(
         output_dir=output_dir,
-        # Batch: one optimizer step over all prompts × n completions of one generation round.
         # GRPOConfig.__post_init__ sets steps_per_generation = gradient_accumulation_steps and
         # generation_batch_size = per_device_train_batch_size × world_size × steps_per_generation.
-        per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=sequences // args.micro_batch,
-        num_generations=args.n,
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=sequences // micro_batch,
+        num_generations=n,
         num_iterations=1,
-        max_steps=args.warmup + args.steps,
-        # Generation: fixed-length completions from the colocated vLLM engine.
         use_vllm=True,
         vllm_mode="colocate",
-        vllm_gpu_memory_utilization=args.gpu_memory_utilization,
-        vllm_max_model_length=args.prompt_tokens + args.response_tokens,
         vllm_tensor_parallel_size=1,
         vllm_enable_sleep_mode=False,
-        max_completion_length=args.response_tokens,
-        generation_kwargs={"min_tokens": args.response_tokens, "ignore_eos": True},
-        temperature=1.0,
-        # Optimisation
-        learning_rate=1e-6,
         lr_scheduler_type="constant",
-        beta=0.0,  # TRL's default: no reference model
         bf16=True,
-        gradient_checkpointing=False,  # TRL's default is True
-        model_init_kwargs={"dtype": args.train_dtype},
-        use_cpu=args.device == "cpu",
-        # No evaluation, no checkpoints, no trackers; log every step.
+        gradient_checkpointing=False,
+        use_cpu=device == "cpu",
         eval_strategy="no",
         save_strategy="no",
         report_to="none",
         logging_steps=1,
-        seed=args.seed,
+        seed=seed,
+        **knobs,
     )
-    expected = {"steps_per_generation": sequences // args.micro_batch, "generation_batch_size": sequences,
-                "world_size": 1}
+    expected = {"steps_per_generation": sequences // micro_batch, "generation_batch_size": sequences, "world_size": 1}
     got = {key: getattr(config, key) for key in expected}
     if got != expected:
         raise RuntimeError(f"GRPOConfig resolved to {got}, expected {expected}: one process, one generation "
                            "round per optimizer step")
     return config
 
+
+def make_grpo_config(args: argparse.Namespace, output_dir: str):
+    """The GRPOConfig of this benchmark (see bench/README.md for why each knob is what it is)."""
+    return one_round_grpo_config(
+        output_dir, prompts=args.prompts, n=args.n, micro_batch=args.micro_batch, device=args.device, seed=args.seed,
+        max_steps=args.warmup + args.steps,
+        # Generation: fixed-length completions.
+        vllm_gpu_memory_utilization=args.gpu_memory_utilization,
+        vllm_max_model_length=args.prompt_tokens + args.response_tokens,
+        max_completion_length=args.response_tokens,
+        generation_kwargs={"min_tokens": args.response_tokens, "ignore_eos": True},
+        temperature=1.0,
+        learning_rate=1e-6,
+        beta=0.0,  # TRL's default: no reference model
+        model_init_kwargs={"dtype": args.train_dtype},
+    )
 
 CONFIG_FIELDS = (
     "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",

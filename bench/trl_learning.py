@@ -148,25 +148,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def make_learning_config(args: argparse.Namespace, output_dir: str):
     """The GRPOConfig: bench/trl_grpo.py's make_grpo_config without its fixed lengths (see the module docstring)."""
-    from trl import GRPOConfig
+    from trl_grpo import one_round_grpo_config
 
-    sequences = args.prompts * args.n
-    config = GRPOConfig(
-        output_dir=output_dir,
-        # Batch: one optimizer step over all prompts × n completions of one generation round.
-        per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=sequences // args.micro_batch,
-        num_generations=args.n,
-        num_iterations=1,
+    return one_round_grpo_config(
+        output_dir, prompts=args.prompts, n=args.n, micro_batch=args.micro_batch, device=args.device, seed=args.seed,
         max_steps=args.steps,
         shuffle_dataset=True,
-        # Generation: the colocated vLLM engine; completions end at end-of-sequence or max_completion_length.
-        use_vllm=True,
-        vllm_mode="colocate",
+        # Generation: completions end at end-of-sequence or max_completion_length.
         vllm_gpu_memory_utilization=args.gpu_memory_utilization,
         vllm_max_model_length=args.max_prompt_tokens + args.max_new_tokens,
-        vllm_tensor_parallel_size=1,
-        vllm_enable_sleep_mode=False,
         vllm_importance_sampling_correction=False,
         max_completion_length=args.max_new_tokens,
         generation_kwargs=None,
@@ -181,29 +171,11 @@ def make_learning_config(args: argparse.Namespace, output_dir: str):
         mask_truncated_completions=False,
         # Optimisation
         learning_rate=args.lr,
-        lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=1.0,
-        bf16=True,
-        gradient_checkpointing=False,
         model_init_kwargs={"dtype": "float32"},
-        use_cpu=args.device == "cpu",
-        # No evaluation, no checkpoints, no trackers; log every step.
-        eval_strategy="no",
-        save_strategy="no",
-        report_to="none",
-        logging_steps=1,
-        seed=args.seed,
     )
-    expected = {"steps_per_generation": sequences // args.micro_batch, "generation_batch_size": sequences,
-                "world_size": 1}
-    got = {key: getattr(config, key) for key in expected}
-    if got != expected:
-        raise RuntimeError(f"GRPOConfig resolved to {got}, expected {expected}: one process, one generation "
-                           "round per optimizer step")
-    return config
-
 
 def load_rows(path: str, tokenizer, max_prompt_tokens: int, field: str) -> tuple[list[dict], int]:
     """The file's chat prompts as the product reads them (components.data): rows with `messages`, `ground_truth`,
