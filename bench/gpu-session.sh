@@ -19,7 +19,10 @@
 #                                      tokens, micro-batch 64): issue 37's "preset within 20% of step.py";
 #                                      PRESET_SET="model.compile=false" overrides both runs' config
 #                                      (on a fresh machine keep DEADLINE_S at its 590 default: vLLM's first start
-#                                      compiles; at 520 the preset run was stopped in it on 2026-12-07)
+#                                      compiles; at 520 the preset run was stopped in it on 2026-12-07; at 590 the
+#                                      preset run took 297 s and step.py, left about 170 s, was stopped before its
+#                                      JSON); PRESET_TWIN=0 runs the preset alone, then phase preset-knobs (the twin
+#                                      alone) in a second call: both fit one call only just
 #   bash bench/gpu-session.sh verl     one H200, GPU 0: verl 0.9.1's GRPO trainer at the `one` phase's knobs
 #                                      (bench/verl/README.md; STEPS default 3), for the same lease as `one`
 #   bash bench/gpu-session.sh w        one H200, GPU 0: bench/weight_sync.py (storage, then memory) at the 0.5B, then
@@ -213,7 +216,8 @@ for phase in "$@"; do
          "data.val_files=[$data/validation.parquet]" 2>&1 | grep -iE "checkpoint|placement|error" | cut -c1-300
        # PRESET_SET (space-separated KEY=VALUE): config overrides for both runs (e.g. model.compile=false)
        preset_set=(); step_set=(); for item in ${PRESET_SET:-}; do preset_set+=("$item"); step_set+=(--set "$item"); done
-       left=$((DEADLINE_S - (SECONDS - STARTED) - 170))  # the rest for step.py's twin run
+       reserve=$([ "${PRESET_TWIN:-1}" = 0 ] && echo 10 || echo 185)  # kept for step.py's twin run (none: the logs)
+       left=$((DEADLINE_S - (SECONDS - STARTED) - reserve))
        [ "$left" -ge 90 ] || { echo "== preset skipped: $((SECONDS - STARTED)) s of DEADLINE_S=$DEADLINE_S used"; continue; }
        echo "== $(date +%T) (+$((SECONDS - STARTED)) s) preset gpu-1x (limit ${left} s)"
        CUDA_VISIBLE_DEVICES=0 timeout "$left" "$PY" bench/real_model.py configs/gpu-1x.yaml model.path="$MODEL" \
@@ -234,6 +238,12 @@ print(f"preset gpu-1x: {len(steps)} steps after the first: step s mean {statisti
       f"{statistics.mean(r['response_length/mean'] for r in rows[1:]):.1f}")
 PRESET
        rm -rf /tmp/rlhf-preset-runs
+       [ "${PRESET_TWIN:-1}" = 0 ] && { pack_logs; continue; }
+       run grpo-1gpu-preset-knobs 0 bench/step.py --algorithm grpo --gpus 1 --steps "${STEPS:-5}" --prompt-tokens 16 \
+         --response-tokens 16 --micro-batch 64 "${step_set[@]}" ;;
+    preset-knobs) shared_prefect_server  # one GPU: the preset phase's step.py twin alone (after PRESET_TWIN=0 preset)
+       export DEADLINE_S=${DEADLINE_S:-590}
+       step_set=(); for item in ${PRESET_SET:-}; do step_set+=(--set "$item"); done
        run grpo-1gpu-preset-knobs 0 bench/step.py --algorithm grpo --gpus 1 --steps "${STEPS:-5}" --prompt-tokens 16 \
          --response-tokens 16 --micro-batch 64 "${step_set[@]}" ;;
     verl) # one H200: verl 0.9.1's own GRPO trainer at the `one` phase's knobs (bench/verl/README.md: the wheels copied
