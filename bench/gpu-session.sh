@@ -153,6 +153,13 @@ run() {  # run NAME GPUS COMMAND...: log to $OUT/NAME.log, keep the JSON in $OUT
   pack_logs
 }
 
+preset_twin() {  # the preset phase's twin: bench/step.py at configs/gpu-1x.yaml's knobs, PRESET_SET as --set overrides
+  local step_set=() item
+  for item in ${PRESET_SET:-}; do step_set+=(--set "$item"); done
+  run grpo-1gpu-preset-knobs 0 bench/step.py --algorithm grpo --gpus 1 --steps "${STEPS:-5}" --prompt-tokens 16 \
+    --response-tokens 16 --micro-batch 64 "${step_set[@]}"
+}
+
 for phase in "$@"; do
   case $phase in
     ck) export DEADLINE_S=${DEADLINE_S:-590}  # one H200: a checkpoint at once against in the background, 0.5B then 1.5B
@@ -215,7 +222,7 @@ for phase in "$@"; do
        "$PY" -m flows.tools.cli doctor configs/gpu-1x.yaml model.path="$MODEL" "data.train_files=[$data/train.parquet]" \
          "data.val_files=[$data/validation.parquet]" 2>&1 | grep -iE "checkpoint|placement|error" | cut -c1-300
        # PRESET_SET (space-separated KEY=VALUE): config overrides for both runs (e.g. model.compile=false)
-       preset_set=(); step_set=(); for item in ${PRESET_SET:-}; do preset_set+=("$item"); step_set+=(--set "$item"); done
+       preset_set=(); for item in ${PRESET_SET:-}; do preset_set+=("$item"); done
        reserve=$([ "${PRESET_TWIN:-1}" = 0 ] && echo 10 || echo 185)  # kept for step.py's twin run (none: the logs)
        left=$((DEADLINE_S - (SECONDS - STARTED) - reserve))
        [ "$left" -ge 90 ] || { echo "== preset skipped: $((SECONDS - STARTED)) s of DEADLINE_S=$DEADLINE_S used"; continue; }
@@ -239,13 +246,10 @@ print(f"preset gpu-1x: {len(steps)} steps after the first: step s mean {statisti
 PRESET
        rm -rf /tmp/rlhf-preset-runs
        [ "${PRESET_TWIN:-1}" = 0 ] && { pack_logs; continue; }
-       run grpo-1gpu-preset-knobs 0 bench/step.py --algorithm grpo --gpus 1 --steps "${STEPS:-5}" --prompt-tokens 16 \
-         --response-tokens 16 --micro-batch 64 "${step_set[@]}" ;;
+       preset_twin ;;
     preset-knobs) shared_prefect_server  # one GPU: the preset phase's step.py twin alone (after PRESET_TWIN=0 preset)
        export DEADLINE_S=${DEADLINE_S:-590}
-       step_set=(); for item in ${PRESET_SET:-}; do step_set+=(--set "$item"); done
-       run grpo-1gpu-preset-knobs 0 bench/step.py --algorithm grpo --gpus 1 --steps "${STEPS:-5}" --prompt-tokens 16 \
-         --response-tokens 16 --micro-batch 64 "${step_set[@]}" ;;
+       preset_twin ;;
     verl) # one H200: verl 0.9.1's own GRPO trainer at the `one` phase's knobs (bench/verl/README.md: the wheels copied
        # to /tmp/verl-stage first, VERL_PREP_ONLY=1 once); STEPS (default 3: one warm-up and two measured steps)
        echo "== verl: bench/verl/verl_bench.sh STEPS=${STEPS:-3}"

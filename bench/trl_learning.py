@@ -148,7 +148,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def make_learning_config(args: argparse.Namespace, output_dir: str):
     """The GRPOConfig: bench/trl_grpo.py's make_grpo_config without its fixed lengths (see the module docstring)."""
-    from trl_grpo import one_round_grpo_config
+    from trl_common import one_round_grpo_config
 
     return one_round_grpo_config(
         output_dir, prompts=args.prompts, n=args.n, micro_batch=args.micro_batch, device=args.device, seed=args.seed,
@@ -176,6 +176,7 @@ def make_learning_config(args: argparse.Namespace, output_dir: str):
         max_grad_norm=1.0,
         model_init_kwargs={"dtype": "float32"},
     )
+
 
 def load_rows(path: str, tokenizer, max_prompt_tokens: int, field: str) -> tuple[list[dict], int]:
     """The file's chat prompts as the product reads them (components.data): rows with `messages`, `ground_truth`,
@@ -230,7 +231,7 @@ def main(argv=None) -> dict:
     from vllm import SamplingParams
 
     from components.rewards import load_reward_function, score_responses
-    from trl_grpo import set_single_process_env
+    from trl_common import set_single_process_env
 
     model_dir = Path(args.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left", truncation_side="left")
